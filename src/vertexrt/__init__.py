@@ -1,0 +1,80 @@
+"""vertexrt: the runtime glue for training code on Vertex AI custom training.
+
+Public names are resolved lazily, so ``import vertexrt`` loads no framework, no cloud client and no numpy.
+
+Example:
+    >>> import vertexrt
+    >>> env = vertexrt.environment()
+    >>> env.on_vertex, env.model_dir
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "VertexrtError": "vertexrt.errors",
+    "ConfigError": "vertexrt.errors",
+    "ClusterSpecError": "vertexrt.errors",
+    "PathError": "vertexrt.errors",
+    "DataError": "vertexrt.errors",
+    "CheckpointError": "vertexrt.errors",
+    "Environment": "vertexrt.env",
+    "environment": "vertexrt.env",
+    "project_id": "vertexrt.env",
+    "storage_options": "vertexrt.env",
+    "bigquery_client": "vertexrt.env",
+}
+
+_SUBMODULES = (
+    "checkpoint",
+    "cli",
+    "data",
+    "devices",
+    "distributed",
+    "emulator",
+    "env",
+    "errors",
+    "hypertune",
+    "keras",
+    "paths",
+    "tensorboard",
+)
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+if TYPE_CHECKING:
+    from vertexrt.env import (  # noqa: F401
+        Environment,
+        bigquery_client,
+        environment,
+        project_id,
+        storage_options,
+    )
+    from vertexrt.errors import (  # noqa: F401
+        CheckpointError,
+        ClusterSpecError,
+        ConfigError,
+        DataError,
+        PathError,
+        VertexrtError,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"vertexrt.{name}")
+    else:
+        raise AttributeError(f"module 'vertexrt' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

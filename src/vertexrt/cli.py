@@ -1,0 +1,142 @@
+"""The ``vertexrt`` command: ``info``, ``gcs-server`` and ``local-run``.
+
+Example:
+    $ vertexrt info --json
+    $ vertexrt gcs-server --bucket my-bucket
+    $ vertexrt local-run --workers 2 -- python train.py --lr=0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from vertexrt.errors import VertexrtError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``vertexrt`` console script."""
+    parser = argparse.ArgumentParser(prog="vertexrt", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    info = commands.add_parser("info", help="print the Vertex contract this process sees")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.set_defaults(run=_info)
+
+    server = commands.add_parser("gcs-server", help="run a local GCS-compatible server until interrupted")
+    server.add_argument("--port", type=int, default=None)
+    server.add_argument("--bucket", action="append", default=[], help="bucket to create (repeatable)")
+    server.set_defaults(run=_gcs_server)
+
+    local_run = commands.add_parser(
+        "local-run", help="run a training command as an N-replica Vertex job on this machine"
+    )
+    try:
+        from vertexrt.distributed import launcher
+    except ImportError:  # the launcher is optional until the distributed package is installed
+        local_run.set_defaults(run=lambda _args: _fail("local-run is not available in this build"))
+    else:
+        launcher.add_arguments(local_run)
+        local_run.set_defaults(run=launcher.run)
+
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args))
+    except VertexrtError as err:
+        return _fail(str(err))
+
+
+def _fail(message: str) -> int:
+    print(f"vertexrt: error: {message}", file=sys.stderr)
+    return 2
+
+
+def info_report() -> dict[str, Any]:
+    """What ``vertexrt info`` shows: environment, cluster, raw variables and warnings."""
+    import os
+
+    from vertexrt.diagnostics import contract_warnings
+    from vertexrt.env import CONTRACT_VARIABLES, environment
+
+    report: dict[str, Any] = {"environment": None, "cluster": None, "variables": {}, "warnings": []}
+    report["variables"] = {name: os.environ[name] for name in CONTRACT_VARIABLES if name in os.environ}
+    try:
+        env = environment()
+        report["environment"] = {k: v for k, v in dataclasses.asdict(env).items() if k != "variables"} | {
+            "on_vertex": env.on_vertex
+        }
+    except VertexrtError as err:
+        report["warnings"].append(str(err))
+    report["cluster"] = _cluster_summary(report["warnings"])
+    report["warnings"] += contract_warnings()
+    return report
+
+
+def _cluster_summary(warnings: list[str]) -> dict[str, Any] | None:
+    try:
+        from vertexrt.distributed import cluster
+    except ImportError:
+        return None
+    try:
+        current = cluster()
+    except VertexrtError as err:
+        warnings.append(str(err))
+        return None
+    summary = getattr(current, "summary", None)
+    if callable(summary):
+        return dict(summary())
+    if dataclasses.is_dataclass(current) and not isinstance(current, type):
+        return dataclasses.asdict(current)
+    return {"repr": repr(current)}
+
+
+def _info(args: argparse.Namespace) -> int:
+    report = info_report()
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
+        return 0
+    for section in ("environment", "cluster"):
+        values = report[section]
+        if not values:
+            continue
+        print(f"{section}:")
+        width = max(len(k) for k in values)
+        for key, value in values.items():
+            print(f"  {key:<{width}}  {value}")
+    print("variables:")
+    for key, value in report["variables"].items():
+        print(f"  {key}={value}")
+    if report["environment"] and not report["environment"]["on_vertex"]:
+        print("note: not inside a Vertex job (no CLOUD_ML_JOB_ID or CLUSTER_SPEC): a local run")
+    for warning in report["warnings"]:
+        print(f"warning: {warning}")
+    return 0
+
+
+def _gcs_server(args: argparse.Namespace) -> int:
+    from vertexrt.emulator import GCSServer
+
+    server = GCSServer(buckets=args.bucket, port=args.port).start()
+    print(f"export STORAGE_EMULATOR_HOST={server.endpoint}")
+    print("export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false")
+    print(
+        f"# buckets: {', '.join(args.bucket) or '(none)'}; log: {server.log_path}; Ctrl-C stops it",
+        flush=True,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        signal.pause()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

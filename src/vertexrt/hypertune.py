@@ -1,0 +1,236 @@
+"""Hyperparameter-tuning metrics and trial arguments, compatible with Vertex AI's tuning service.
+
+`report` writes exactly what `cloudml-hypertune` writes (the file the tuning service reads), but only
+from the chief, refuses NaN/inf/non-numeric values, and warns when the tag is not the one being tuned.
+`parse_args` reads the trial's `--name=value` / `--name value` flags, tolerates integers that arrive as
+`"256.0"`, and ignores unknown flags (with a warning) only when asked.
+
+Example:
+    >>> import argparse
+    >>> from vertexrt import hypertune
+    >>> parser = argparse.ArgumentParser()
+    >>> _ = parser.add_argument("--batch_size", type=int, default=32)
+    >>> hypertune.parse_args(parser, ["--batch_size=256.0"]).batch_size
+    256
+    >>> hypertune.report("accuracy", 0.91, step=3)  # doctest: +SKIP
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from vertexrt.errors import VertexrtError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_METRIC_FILE = "/tmp/hypertune/output.metrics"
+DEFAULT_METRIC_TAG = "training/hptuning/metric"
+MAX_ENTRIES = 100  # cloudml-hypertune keeps (and rewrites) only the last 100 reports
+
+_lock = threading.Lock()
+_queues: dict[str, collections.deque[dict[str, Any]]] = {}
+_warned_tags: set[tuple[str, str]] = set()
+
+
+class MetricError(VertexrtError, ValueError):
+    """A reported metric value is NaN, infinite or not a number."""
+
+
+def is_chief() -> bool:
+    """Whether this process is the one that reports (rank 0).
+
+    torch.distributed's rank is authoritative when it is initialised; otherwise the cluster model
+    (`vertexrt.distributed.cluster().is_chief`); a process with neither is the chief.
+    """
+    dist = sys.modules.get("torch.distributed")  # never import torch just to ask
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return bool(dist.get_rank() == 0)
+    try:
+        from vertexrt.distributed import cluster
+    except ImportError:
+        return True
+    return bool(cluster().is_chief)
+
+
+def metric_file() -> str:
+    """The file the tuning service reads: `$CLOUD_ML_HP_METRIC_FILE` or `/tmp/hypertune/output.metrics`."""
+    return os.environ.get("CLOUD_ML_HP_METRIC_FILE", DEFAULT_METRIC_FILE)
+
+
+def _as_float(metric_tag: str, value: object) -> float:
+    if isinstance(value, (str, bytes, bool)):
+        raise MetricError(f"hypertune metric {metric_tag!r}: value {value!r} is not a number; report a float")
+    try:
+        number = float(value)  # type: ignore[arg-type]  # int, float, numpy/torch/tf scalars
+    except (TypeError, ValueError) as err:
+        raise MetricError(
+            f"hypertune metric {metric_tag!r}: value {value!r} ({type(value).__name__}) is not a number; "
+            "report a float (e.g. `loss.item()`)"
+        ) from err
+    if not math.isfinite(number):
+        raise MetricError(
+            f"hypertune metric {metric_tag!r}: value is {number}; the tuning service needs a finite number "
+            "(check the training run for divergence before reporting)"
+        )
+    return number
+
+
+def _check_tag(metric_tag: str) -> None:
+    expected = os.environ.get("CLOUD_ML_HP_METRIC_TAG")
+    if expected and expected != metric_tag and (expected, metric_tag) not in _warned_tags:
+        _warned_tags.add((expected, metric_tag))
+        logger.warning(
+            "hypertune metric %r is not the metric this study optimises (CLOUD_ML_HP_METRIC_TAG=%r): "
+            "the tuning service will not see it. Report %r instead (it must match the study's metricId).",
+            metric_tag,
+            expected,
+            expected,
+        )
+
+
+def _write(path: str, entries: collections.deque[dict[str, Any]]) -> None:
+    directory = os.path.dirname(path)
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+    text = "".join(json.dumps(entry, sort_keys=True) + "\n" for entry in entries)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)  # a reader never sees a half-written file
+
+
+def report(metric_tag: str, value: float, step: int | None = None, checkpoint_path: str = "") -> bool:
+    """Report a hyperparameter-tuning metric the way cloudml-hypertune does; return whether it was written.
+
+    Writes `$CLOUD_ML_HP_METRIC_FILE` (default `/tmp/hypertune/output.metrics`) with the last 100 reports
+    of this process, one JSON object per line, trial from `$CLOUD_ML_TRIAL_ID`. Non-chief processes
+    write nothing and return False. NaN, infinite or non-numeric values raise `MetricError` (a
+    ValueError). An empty tag becomes `training/hptuning/metric`, as in cloudml-hypertune.
+
+    Example:
+        >>> report("val_accuracy", 0.93, step=1200)  # doctest: +SKIP
+        True
+    """
+    tag = metric_tag or DEFAULT_METRIC_TAG
+    number = _as_float(tag, value)
+    _check_tag(tag)
+    if not is_chief():
+        logger.debug("hypertune metric %s=%s not reported: not the chief", tag, number)
+        return False
+    entry = {
+        "timestamp": time.time(),
+        "trial": str(os.environ.get("CLOUD_ML_TRIAL_ID", 0)),
+        tag: str(number),
+        "global_step": str(int(step) if step else 0),
+        "checkpoint_path": checkpoint_path,
+    }
+    path = metric_file()
+    with _lock:
+        entries = _queues.setdefault(path, collections.deque(maxlen=MAX_ENTRIES))
+        entries.append(entry)
+        _write(path, entries)
+    logger.info("hypertune metric %s=%s (step %s) -> %s", tag, number, entry["global_step"], path)
+    return True
+
+
+def _tolerant_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        number = float(text)  # the tuner sends discrete/integer parameters as "256.0"
+        if not number.is_integer():
+            raise ValueError(f"{text!r} is not an integer") from None
+        return int(number)
+
+
+def _tolerant_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "t", "yes", "y", "1.0"):
+        return True
+    if lowered in ("0", "false", "f", "no", "n", "0.0"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean")
+
+
+_tolerant_int.__name__ = "int"  # argparse names the type in "invalid int value: ..."
+_tolerant_bool.__name__ = "bool"
+_TOLERANT: dict[Any, Any] = {int: _tolerant_int, bool: _tolerant_bool}
+
+
+def add_job_dir(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--job-dir` (also `--job_dir`), the output directory legacy and prebuilt launchers pass.
+
+    Example:
+        >>> add_job_dir(argparse.ArgumentParser()).parse_args(["--job-dir", "gs://b/out"]).job_dir
+        'gs://b/out'
+    """
+    if "--job-dir" not in parser._option_string_actions:
+        parser.add_argument(
+            "--job-dir", "--job_dir", dest="job_dir", default=None, help="output directory (gs:// or local)"
+        )
+    return parser
+
+
+def _normalise_flags(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """Rewrite `--learning_rate` to `--learning-rate` (or back) when only the other spelling is declared."""
+    known = parser._option_string_actions
+    out: list[str] = []
+    for token in argv:
+        if token == "--":
+            out.extend(argv[len(out) :])
+            break
+        if token.startswith("--"):
+            name, sep, rest = token.partition("=")
+            if name not in known:
+                for swapped in (name[:2] + name[2:].replace("_", "-"), name[:2] + name[2:].replace("-", "_")):
+                    if swapped in known:
+                        token = swapped + sep + rest
+                        break
+        out.append(token)
+    return out
+
+
+def parse_args(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, ignore_unknown: bool = False
+) -> argparse.Namespace:
+    """Parse a trial's arguments: `--name=value` and `--name value`, `--job-dir`, `"256.0"` for ints.
+
+    `int`-typed arguments accept integral floats (`"256.0"`), `bool`-typed ones accept true/false/1/0,
+    `--a_b` matches a declared `--a-b` (and the reverse). `--job-dir` is added if missing. Unknown flags
+    are an error (argparse's exit) unless `ignore_unknown=True`, which logs a warning naming them.
+
+    Example:
+        >>> p = argparse.ArgumentParser()
+        >>> _ = p.add_argument("--lr", type=float)
+        >>> parse_args(p, ["--lr", "0.1", "--extra=1"], ignore_unknown=True).lr
+        0.1
+    """
+    add_job_dir(parser)
+    args = _normalise_flags(parser, sys.argv[1:] if argv is None else argv)
+    swapped = [(action, action.type) for action in parser._actions if action.type in _TOLERANT]
+    for action, kind in swapped:
+        action.type = _TOLERANT[kind]
+    try:
+        namespace, unknown = parser.parse_known_args(args)
+    finally:
+        for action, kind in swapped:
+            action.type = kind
+    if unknown:
+        if not ignore_unknown:
+            parser.error(
+                f"unrecognized arguments: {' '.join(unknown)} (declare them, or pass ignore_unknown=True "
+                "to vertexrt.hypertune.parse_args to ignore them with a warning)"
+            )
+        logger.warning("ignoring unknown arguments: %s", " ".join(unknown))
+    return namespace

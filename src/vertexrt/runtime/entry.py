@@ -1,0 +1,229 @@
+"""``@vertexrt.main``: the entry point of a training script on Vertex AI, under local-run, or torchrun.
+
+It reads the environment and the cluster, sets up replica-prefixed logging, installs the preemption
+handler, parses the arguments, initialises distributed training for the framework, picks the device,
+and calls the function with a ``Context``. Outcomes: the function's return value (exit 0); the user's
+exception re-raised with the replica named; ``SystemExit(143)`` (128 + SIGTERM) after a preemption, once
+the checkpoint is saved, so that the platform restarts the replica and it resumes.
+
+Example:
+    >>> import argparse, vertexrt
+    >>> parser = argparse.ArgumentParser()
+    >>> _ = parser.add_argument("--epochs", type=int, default=3)
+    >>> @vertexrt.main(framework="torch", parser=parser)
+    ... def train(ctx: vertexrt.Context, args):
+    ...     ...
+    >>> if __name__ == "__main__":
+    ...     train()
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import logging
+import os
+import signal
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, overload
+
+from vertexrt.errors import ConfigError
+from vertexrt.runtime.context import Context
+from vertexrt.runtime.logs import setup_logging
+
+logger = logging.getLogger(__name__)
+
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+FRAMEWORKS = ("torch", "tf", None)
+
+R = TypeVar("R")
+
+
+class Preempted(SystemExit):
+    """Raised after a preemption checkpoint was saved: the process exits 143 and the replica restarts.
+
+    A ``SystemExit``, so a script without ``@main`` also exits 143 without a traceback.
+    """
+
+    def __init__(self, step: int | None = None) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+
+
+@overload
+def main(fn: Callable[..., R]) -> Callable[..., R]: ...
+
+
+@overload
+def main(
+    fn: None = None,
+    *,
+    framework: str | None = None,
+    parser: argparse.ArgumentParser | None = None,
+    ignore_unknown_args: bool = False,
+    log_level: int | str = logging.INFO,
+    log_all_ranks: bool = False,
+) -> Callable[[Callable[..., R]], Callable[..., R]]: ...
+
+
+def main(
+    fn: Callable[..., R] | None = None,
+    *,
+    framework: str | None = None,
+    parser: argparse.ArgumentParser | None = None,
+    ignore_unknown_args: bool = False,
+    log_level: int | str = logging.INFO,
+    log_all_ranks: bool = False,
+) -> Any:
+    """Decorate the training function ``fn(ctx)`` or ``fn(ctx, args)``.
+
+    Args:
+        framework: ``"torch"`` (process group + device), ``"tf"`` (a ``tf.distribute`` strategy, created
+            before anything else touches TensorFlow) or ``None`` (no framework).
+        parser: parsed with ``vertexrt.hypertune.parse_args`` (``--name=value``, ``"256.0"`` ints,
+            ``--job-dir``); the namespace is passed as ``args`` and kept in ``ctx.args``.
+        ignore_unknown_args: warn about unknown flags instead of exiting.
+        log_level: the chief's log level; other ranks log WARNING and above unless ``log_all_ranks``.
+
+    The decorated function takes an optional ``argv`` (default ``sys.argv[1:]``).
+    """
+    if framework not in FRAMEWORKS:
+        raise ConfigError(f"@vertexrt.main(framework={framework!r}): use 'torch', 'tf' or None")
+
+    def decorate(user_fn: Callable[..., R]) -> Callable[..., R]:
+        wants_args = _takes_two_arguments(user_fn)
+
+        @functools.wraps(user_fn)
+        def run(argv: Sequence[str] | None = None) -> R:
+            return _run(
+                user_fn,
+                wants_args,
+                argv,
+                framework=framework,
+                parser=parser,
+                ignore_unknown_args=ignore_unknown_args,
+                log_level=log_level,
+                log_all_ranks=log_all_ranks,
+            )
+
+        return run
+
+    return decorate(fn) if fn is not None else decorate
+
+
+def _takes_two_arguments(fn: Callable[..., Any]) -> bool:
+    params = [
+        p
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return len(params) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params)
+
+
+def _run(
+    user_fn: Callable[..., R],
+    wants_args: bool,
+    argv: Sequence[str] | None,
+    *,
+    framework: str | None,
+    parser: argparse.ArgumentParser | None,
+    ignore_unknown_args: bool,
+    log_level: int | str,
+    log_all_ranks: bool,
+) -> R:
+    ctx = Context.create(framework)
+    undo_logging = setup_logging(
+        rank=ctx.rank,
+        replica=ctx.replica,
+        is_chief=ctx.is_chief,
+        json_lines=ctx.env.on_vertex and not os.environ.get("VERTEXRT_PLAIN_LOGS"),
+        level=log_level,
+        all_ranks=log_all_ranks,
+        labels={"trial": ctx.env.trial_id} if ctx.env.trial_id else None,
+    )
+    owns_process_group = False
+    try:
+        ctx.checkpoints.save_on_preemption()  # before the slow parts: a SIGTERM now sets a flag
+        if parser is not None:
+            from vertexrt import hypertune
+
+            ctx.args = hypertune.parse_args(parser, argv, ignore_unknown=ignore_unknown_args)
+        owns_process_group = _init_framework(ctx)
+        _log_banner(ctx)
+        try:
+            result = user_fn(ctx, ctx.args) if wants_args else user_fn(ctx)
+        except Preempted:
+            ctx._preempted = True
+            result = None  # type: ignore[assignment]
+        except BaseException as err:
+            if isinstance(err, (SystemExit, KeyboardInterrupt)):
+                raise
+            where = f"replica {ctx.replica} (rank {ctx.rank} of {ctx.world_size})"
+            logger.error("%s failed: %s: %s", where, type(err).__name__, err)
+            err.add_note(f"vertexrt: raised on {where}")
+            raise
+        ctx.checkpoints.wait()
+        if ctx.preempted:
+            logger.warning(
+                "preempted: checkpoint saved in %s; exiting %d so the replica restarts and resumes",
+                ctx.checkpoints.directory,
+                PREEMPTED_EXIT_CODE,
+            )
+            raise Preempted()
+        logger.info("done; model dir %s", ctx.env.model_dir)
+        return result
+    finally:
+        try:
+            if ctx._checkpoints is not None:
+                ctx._checkpoints.close()
+            if owns_process_group:
+                _destroy_process_group()
+        finally:
+            undo_logging()
+
+
+def _init_framework(ctx: Context) -> bool:
+    """Set up distributed training and the device; return True when a torch process group was created."""
+    if ctx.framework == "torch":
+        import torch.distributed as dist
+
+        from vertexrt.distributed import init_torch
+
+        was_up = dist.is_available() and dist.is_initialized()
+        handle = init_torch()
+        ctx.rank, ctx.world_size, ctx.local_rank = handle.rank, handle.world_size, handle.local_rank
+        ctx.device = handle.device
+        return not was_up and dist.is_initialized()
+    if ctx.framework == "tf":
+        from vertexrt.distributed import setup_tensorflow
+
+        ctx.strategy = setup_tensorflow()
+    return False
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _log_banner(ctx: Context) -> None:
+    env = ctx.env
+    logger.info(
+        "vertexrt: %s job=%s trial=%s replica=%s rank=%d/%d device=%s",
+        env.platform,
+        env.job_id or "-",
+        env.trial_id or "-",
+        ctx.replica,
+        ctx.rank,
+        ctx.world_size,
+        ctx.device,
+    )
+    logger.info(
+        "vertexrt: model_dir=%s checkpoint_dir=%s tensorboard_log_dir=%s",
+        env.model_dir,
+        env.checkpoint_dir,
+        env.tensorboard_log_dir,
+    )

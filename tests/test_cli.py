@@ -1,0 +1,84 @@
+"""`vertexrt info` on simulated jobs, with the warnings users need."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vertexrt import cli
+
+
+def _info(capsys, *args: str) -> str:
+    assert cli.main(["info", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_info_json_for_a_simulated_vertex_job(vertex_env, capsys):
+    vertex_env(trial="2", base_output_dir="gs://my-bucket/base", workers=1)
+    report = json.loads(_info(capsys, "--json"))
+    env = report["environment"]
+    assert env["on_vertex"] is True and env["project"] == "123456789012" and env["trial_id"] == "2"
+    assert env["model_dir"] == "gs://my-bucket/base/2/model"
+    assert report["variables"]["CLOUD_ML_JOB_ID"] == "1234567890"
+    assert report["warnings"] == []
+
+
+def test_info_table(vertex_env, capsys):
+    vertex_env(base_output_dir="gs://my-bucket/base")
+    out = _info(capsys)
+    assert "model_dir" in out and "gs://my-bucket/base/model" in out and "CLOUD_ML_JOB_ID=1234567890" in out
+
+
+def test_info_local_run(clean_env, monkeypatch, capsys):
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "p")
+    out = _info(capsys)
+    assert "a local run" in out and "warning" not in out
+
+
+def test_warns_aip_dir_not_gcs_on_vertex(vertex_env, capsys):
+    vertex_env(extra={"AIP_MODEL_DIR": "/tmp/model/"})
+    out = _info(capsys)
+    assert "warning: AIP_MODEL_DIR='/tmp/model/' is not a gs:// URI" in out
+
+
+def test_warns_missing_output_dirs_on_vertex(vertex_env, capsys):
+    vertex_env()
+    assert "AIP_CHECKPOINT_DIR is not set" in _info(capsys)
+
+
+@pytest.mark.parametrize("name", ["CLUSTER_SPEC", "TF_CONFIG"])
+def test_malformed_json_reaches_info_as_a_warning(vertex_env, monkeypatch, capsys, name):
+    vertex_env(base_output_dir="gs://my-bucket/base")
+    monkeypatch.setenv(name, '{"cluster": ')
+    out = _info(capsys)
+    assert f"{name} is not valid JSON" in out
+
+
+def test_tf_config_and_cluster_spec_disagreeing(vertex_env, monkeypatch, capsys):
+    vertex_env(base_output_dir="gs://my-bucket/base", workers=1, task=("workerpool1", 0))
+    monkeypatch.setenv(
+        "TF_CONFIG",
+        json.dumps(
+            {
+                "cluster": {"chief": ["other-host:2222"], "worker": ["w:2222"]},
+                "task": {"type": "chief", "index": 0},
+            }
+        ),
+    )
+    report = json.loads(_info(capsys, "--json"))
+    text = "\n".join(report["warnings"])
+    assert "CLUSTER_SPEC cluster.workerpool0" in text and "TF_CONFIG" in text and "disagree" in text
+    assert "task workerpool1:0 and TF_CONFIG task chief:0 disagree" in text
+
+
+def test_project_not_resolvable_warns(vertex_env, monkeypatch, capsys):
+    vertex_env(base_output_dir="gs://my-bucket/base")
+    monkeypatch.delenv("CLOUD_ML_PROJECT_ID")
+    assert "project not resolvable" in _info(capsys)
+
+
+def test_bad_aip_value_does_not_crash_info(vertex_env, capsys):
+    vertex_env(extra={"AIP_CHECKPOINT_DIR": ""})
+    out = _info(capsys)
+    assert "warning: AIP_CHECKPOINT_DIR is set but empty" in out
