@@ -82,3 +82,24 @@ def test_bad_aip_value_does_not_crash_info(vertex_env, capsys):
     vertex_env(extra={"AIP_CHECKPOINT_DIR": ""})
     out = _info(capsys)
     assert "warning: AIP_CHECKPOINT_DIR is set but empty" in out
+
+
+def test_gcs_server_command_prints_exports_and_serves(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "vertexrt.cli", "gcs-server", "--bucket", "cli-bucket"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        first = process.stdout.readline().strip()
+        assert first.startswith("export STORAGE_EMULATOR_HOST=http://127.0.0.1:")
+        endpoint = first.split("=", 1)[1]
+        with urllib.request.urlopen(f"{endpoint}/storage/v1/b/cli-bucket", timeout=5) as reply:
+            assert json.loads(reply.read())["name"] == "cli-bucket"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 0

@@ -67,9 +67,9 @@ def info_report() -> dict[str, Any]:
     report["variables"] = {name: os.environ[name] for name in CONTRACT_VARIABLES if name in os.environ}
     try:
         env = environment()
-        report["environment"] = {k: v for k, v in dataclasses.asdict(env).items() if k != "variables"} | {
-            "on_vertex": env.on_vertex
-        }
+        fields = env.as_dict()
+        del fields["variables"]
+        report["environment"] = fields | {"on_vertex": env.on_vertex}
     except VertexrtError as err:
         report["warnings"].append(str(err))
     report["cluster"] = _cluster_summary(report["warnings"])

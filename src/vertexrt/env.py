@@ -12,16 +12,17 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from vertexrt.errors import ConfigError
 
+# Kept off the import path on purpose: `typing`, `dataclasses` and `json` cost ~15 ms at import.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from typing import Any
+
     from google.cloud import bigquery
 
 #: The variables of the platform contract, shown by ``vertexrt info``.
@@ -67,15 +68,33 @@ _DATA_URIS = {
 }
 
 
-@dataclass(frozen=True)
+_FIELDS = (
+    "platform",
+    "project",
+    "region",
+    "job_id",
+    "trial_id",
+    "model_dir",
+    "checkpoint_dir",
+    "tensorboard_log_dir",
+    "training_data_uri",
+    "validation_data_uri",
+    "test_data_uri",
+    "data_format",
+    "job_dir",
+    "variables",
+)
+
+
 class Environment:
-    """A snapshot of what the platform told this process.
+    """A frozen snapshot of what the platform told this process.
 
     Directories are never ``None``: when the ``AIP_*`` variable is absent they fall back to the same
     layout under ``--job-dir`` (legacy AI Platform) or a local base directory, trial-scoped as Vertex does.
     They carry no trailing slash.
     """
 
+    __slots__ = _FIELDS
     platform: str  # "vertex", "ai-platform" (legacy) or "local"
     project: str | None
     region: str | None
@@ -89,12 +108,35 @@ class Environment:
     test_data_uri: str | None
     data_format: str | None
     job_dir: str | None
-    variables: Mapping[str, str] = field(default_factory=dict, repr=False)
+    variables: Mapping[str, str]  # the raw contract variables present
+
+    def __init__(self, **values: Any) -> None:
+        unknown, missing = set(values) - set(_FIELDS), set(_FIELDS) - set(values)
+        if unknown or missing:
+            raise TypeError(f"Environment fields: unknown {sorted(unknown)}, missing {sorted(missing)}")
+        for name in _FIELDS:
+            object.__setattr__(self, name, values[name])
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"Environment is frozen: cannot set {name!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Environment) and self.as_dict() == other.as_dict()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in _FIELDS if name != "variables")
+        return f"Environment({shown})"
 
     @property
     def on_vertex(self) -> bool:
         """True inside a Vertex AI (or legacy AI Platform) training job."""
         return self.platform != "local"
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict (``variables`` included)."""
+        return {name: getattr(self, name) for name in _FIELDS}
 
 
 def environment() -> Environment:
@@ -326,6 +368,8 @@ def _lenient_json(text: str | None) -> dict[str, Any]:
     """JSON object or {} for anything absent or malformed (the cluster model reports those)."""
     if not text:
         return {}
+    import json
+
     try:
         value = json.loads(text)
     except ValueError:
