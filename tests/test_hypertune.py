@@ -141,6 +141,17 @@ def test_non_chief_does_not_write(metric_env, monkeypatch):
     assert not path.exists()
 
 
+def test_worker_replica_does_not_write(metric_env, vertex_env):
+    path = metric_env("replicas")
+    vertex_env(trial="2", workers=1, task=("workerpool1", 0))
+    assert hypertune.is_chief() is False
+    assert hypertune.report("accuracy", 0.5) is False
+    assert not path.exists()
+    vertex_env(trial="2", workers=1, task=("workerpool0", 0))
+    assert hypertune.report("accuracy", 0.5) is True
+    assert json.loads(path.read_text())["trial"] == "2"
+
+
 _WORKER = textwrap.dedent(
     """
     import os, sys

@@ -39,7 +39,7 @@ DEFAULT_METRIC_TAG = "training/hptuning/metric"
 MAX_ENTRIES = 100  # cloudml-hypertune keeps (and rewrites) only the last 100 reports
 
 _lock = threading.Lock()
-_queues: dict[str, collections.deque[dict[str, Any]]] = {}
+_queues: dict[str, collections.deque[str]] = {}  # per metric file: its last 100 lines
 _warned_tags: set[tuple[str, str]] = set()
 
 
@@ -50,17 +50,14 @@ class MetricError(VertexrtError, ValueError):
 def is_chief() -> bool:
     """Whether this process is the one that reports (rank 0).
 
-    torch.distributed's rank is authoritative when it is initialised; otherwise the cluster model
-    (`vertexrt.distributed.cluster().is_chief`); a process with neither is the chief.
+    torch.distributed's rank is authoritative when it is initialised, else the cluster model
+    (`vertexrt.distributed.world_info()`); without the distributed package every process is the chief.
     """
-    dist = sys.modules.get("torch.distributed")  # never import torch just to ask
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return bool(dist.get_rank() == 0)
     try:
-        from vertexrt.distributed import cluster
+        from vertexrt.distributed import world_info
     except ImportError:
         return True
-    return bool(cluster().is_chief)
+    return bool(world_info().is_chief)
 
 
 def metric_file() -> str:
@@ -99,14 +96,13 @@ def _check_tag(metric_tag: str) -> None:
         )
 
 
-def _write(path: str, entries: collections.deque[dict[str, Any]]) -> None:
+def _write(path: str, lines: collections.deque[str]) -> None:
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    text = "".join(json.dumps(entry, sort_keys=True) + "\n" for entry in entries)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
-        f.write(text)
+        f.write("".join(lines))
     os.replace(tmp, path)  # a reader never sees a half-written file
 
 
@@ -137,9 +133,9 @@ def report(metric_tag: str, value: float, step: int | None = None, checkpoint_pa
     }
     path = metric_file()
     with _lock:
-        entries = _queues.setdefault(path, collections.deque(maxlen=MAX_ENTRIES))
-        entries.append(entry)
-        _write(path, entries)
+        lines = _queues.setdefault(path, collections.deque(maxlen=MAX_ENTRIES))
+        lines.append(json.dumps(entry, sort_keys=True) + "\n")  # cloudml-hypertune's exact serialisation
+        _write(path, lines)
     logger.info("hypertune metric %s=%s (step %s) -> %s", tag, number, entry["global_step"], path)
     return True
 

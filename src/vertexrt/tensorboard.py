@@ -73,11 +73,9 @@ def _open_native(backend: str, directory: str) -> Any:
         from torch.utils.tensorboard import SummaryWriter as TorchWriter
 
         return TorchWriter(log_dir=directory)
-    if backend == "tensorboardX":
-        from tensorboardX import SummaryWriter as XWriter
+    from tensorboardX import SummaryWriter as XWriter
 
-        return XWriter(logdir=directory)
-    raise ConfigError(f"vertexrt.tensorboard.writer: unknown backend {backend!r}; use one of {BACKENDS}")
+    return XWriter(logdir=directory)
 
 
 class SummaryWriter:
@@ -244,5 +242,7 @@ def writer(
         return SummaryWriter(None, None)
     chosen = _auto_backend() if backend == "auto" else backend
     if chosen not in BACKENDS:
-        raise ConfigError(f"vertexrt.tensorboard.writer: unknown backend {backend!r}; use 'auto' or {BACKENDS}")
+        raise ConfigError(
+            f"vertexrt.tensorboard.writer: unknown backend {backend!r}; use 'auto' or {BACKENDS}"
+        )
     return SummaryWriter(log_dir or _env_log_dir(), chosen, upload_interval)

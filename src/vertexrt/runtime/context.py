@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vertexrt.checkpoint.collective import any_rank, torch_dist
 from vertexrt.runtime.metrics import MetricsReporter
 
 if TYPE_CHECKING:
-    from vertexrt.checkpoint import CheckpointManager
+    from vertexrt.checkpoint import CheckpointManager, PreemptionNotice
     from vertexrt.distributed import Cluster
     from vertexrt.env import Environment
 
@@ -51,6 +52,7 @@ class Context:
     strategy: Any = None
     metrics: MetricsReporter = field(default_factory=lambda: MetricsReporter(is_chief=True))
     _checkpoints: CheckpointManager | None = field(default=None, repr=False)
+    _notice: PreemptionNotice | None = field(default=None, repr=False)
     _preempted: bool = field(default=False, repr=False)
 
     @classmethod
@@ -91,8 +93,9 @@ class Context:
 
     @property
     def replica(self) -> str:
-        """The Vertex replica name, e.g. ``workerpool0-0``."""
-        return f"{self.cluster.role}-{self.cluster.task_index}"
+        """The Vertex replica name, e.g. ``workerpool0-0`` (the role, e.g. ``chief-0``, without pools)."""
+        pool = self.cluster.pool(self.cluster.role)
+        return f"{pool.name if pool else self.cluster.role}-{self.cluster.task_index}"
 
     @property
     def checkpoints(self) -> CheckpointManager:
@@ -114,12 +117,32 @@ class Context:
         """True once ``should_stop()`` has returned True."""
         return self._preempted
 
+    def install_preemption_handler(self) -> None:
+        """Make SIGTERM (Vertex's preemption notice) set a flag instead of killing the process."""
+        if self._notice is None:
+            from vertexrt.checkpoint import PreemptionNotice
+
+            self._notice = PreemptionNotice().install()
+
     def should_stop(self) -> bool:
         """True when a preemption notice (SIGTERM) arrived on any rank.
 
-        A collective when torch.distributed is up: call it at the same points on every rank. Save a
-        checkpoint and return from the training function when it is True; ``@main`` then exits 143.
+        A collective when torch.distributed is up (an all-reduce MAX): call it at the same points on every
+        rank. Save a checkpoint and return from the training function when it is True; ``@main`` then
+        exits 143. Needs ``install_preemption_handler()`` (``@main`` calls it).
         """
-        if not self._preempted and self.checkpoints.preemption_requested():
-            self._preempted = True
+        if self._preempted:
+            return True
+        local = self._notice is not None and self._notice.requested
+        self._preempted = any_rank(local, torch_dist())
         return self._preempted
+
+    def close(self) -> None:
+        """Finish the checkpoint save in flight and put the previous SIGTERM handler back."""
+        try:
+            if self._checkpoints is not None:
+                self._checkpoints.close()
+        finally:
+            if self._notice is not None:
+                self._notice.uninstall()
+                self._notice = None

@@ -26,7 +26,7 @@ import logging
 import os
 import signal
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, cast, overload
 
 from vertexrt.errors import ConfigError
 from vertexrt.runtime.context import Context
@@ -133,54 +133,71 @@ def _run(
     log_all_ranks: bool,
 ) -> R:
     ctx = Context.create(framework)
-    undo_logging = setup_logging(
-        rank=ctx.rank,
-        replica=ctx.replica,
-        is_chief=ctx.is_chief,
-        json_lines=ctx.env.on_vertex and not os.environ.get("VERTEXRT_PLAIN_LOGS"),
-        level=log_level,
-        all_ranks=log_all_ranks,
-        labels={"trial": ctx.env.trial_id} if ctx.env.trial_id else None,
-    )
+    undo_logging = _setup_logging(ctx, log_level, log_all_ranks)
     owns_process_group = False
     try:
-        ctx.checkpoints.save_on_preemption()  # before the slow parts: a SIGTERM now sets a flag
+        ctx.install_preemption_handler()  # before the slow parts: from now on a SIGTERM sets a flag
         if parser is not None:
             from vertexrt import hypertune
 
             ctx.args = hypertune.parse_args(parser, argv, ignore_unknown=ignore_unknown_args)
+        rank = ctx.rank
         owns_process_group = _init_framework(ctx)
+        if ctx.rank != rank:  # torch.distributed's rank is authoritative: relabel the log lines
+            undo_logging()
+            undo_logging = _setup_logging(ctx, log_level, log_all_ranks)
+        ctx.metrics.is_chief = ctx.is_chief
         _log_banner(ctx)
         try:
-            result = user_fn(ctx, ctx.args) if wants_args else user_fn(ctx)
+            result: R | None = user_fn(ctx, ctx.args) if wants_args else user_fn(ctx)
         except Preempted:
-            ctx._preempted = True
-            result = None  # type: ignore[assignment]
-        except BaseException as err:
-            if isinstance(err, (SystemExit, KeyboardInterrupt)):
-                raise
+            result, ctx._preempted = None, True  # the Trainer saved the checkpoint before raising
+        except Exception as err:
             where = f"replica {ctx.replica} (rank {ctx.rank} of {ctx.world_size})"
             logger.error("%s failed: %s: %s", where, type(err).__name__, err)
-            err.add_note(f"vertexrt: raised on {where}")
+            if hasattr(err, "add_note"):  # Python >= 3.11: shown under the traceback
+                err.add_note(f"vertexrt: raised on {where}")
             raise
-        ctx.checkpoints.wait()
+        if ctx._checkpoints is not None:
+            ctx._checkpoints.wait()
         if ctx.preempted:
             logger.warning(
                 "preempted: checkpoint saved in %s; exiting %d so the replica restarts and resumes",
-                ctx.checkpoints.directory,
+                ctx.env.checkpoint_dir,
                 PREEMPTED_EXIT_CODE,
             )
             raise Preempted()
         logger.info("done; model dir %s", ctx.env.model_dir)
-        return result
+        return cast(R, result)
     finally:
         try:
-            if ctx._checkpoints is not None:
-                ctx._checkpoints.close()
+            ctx.close()
             if owns_process_group:
                 _destroy_process_group()
         finally:
             undo_logging()
+
+
+def _setup_logging(ctx: Context, level: int | str, all_ranks: bool) -> Callable[[], None]:
+    return setup_logging(
+        rank=ctx.rank,
+        replica=ctx.replica,
+        is_chief=ctx.is_chief,
+        json_lines=_json_logs(ctx),
+        level=level,
+        all_ranks=all_ranks,
+        labels={"trial": ctx.env.trial_id} if ctx.env.trial_id else None,
+    )
+
+
+def _json_logs(ctx: Context) -> bool:
+    """``$VERTEXRT_LOG_FORMAT`` (``json`` / ``text``), else JSON lines inside a real Vertex job."""
+    chosen = os.environ.get("VERTEXRT_LOG_FORMAT", "").strip().lower()
+    if chosen in ("json", "text"):
+        return chosen == "json"
+    if chosen:
+        raise ConfigError(f"VERTEXRT_LOG_FORMAT={chosen!r}: use 'json' or 'text' (or unset it)")
+    return ctx.env.on_vertex and not os.environ.get("VERTEXRT_LOCAL_RUN")
 
 
 def _init_framework(ctx: Context) -> bool:

@@ -118,7 +118,9 @@ class Progress:
             return
         if self._bar is not None:
             r = self.rates()
-            self._bar.set_postfix_str(f"{r['samples_per_s']:.0f} samples/s {self._metrics_text()}", refresh=False)
+            self._bar.set_postfix_str(
+                f"{r['samples_per_s']:.0f} samples/s {self._metrics_text()}", refresh=False
+            )
         else:
             logger.info(self.line())
 

@@ -1,0 +1,270 @@
+"""The reader's position and the chunk stream that produces records from it.
+
+A :class:`Cursor` is O(1): the phase (own share / padding), the unit index, a position inside the unit (byte
+offset or row) plus a count of raw records to skip from there, the stream index ``g`` used by record
+striding, the shuffle block number, how many records of the current block were already consumed
+(``drop``), and how many records came before.
+
+Shuffling is a permutation of consecutive blocks of ``block_size`` kept records, seeded by
+``(seed, epoch, reader, readers, block)``. The cursor holds the block's start, so resuming re-reads that
+one block, permutes it identically, and drops what was consumed: no buffer is ever saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from vertexrt.data.formats import SKIPPED, Errors, Format
+from vertexrt.data.sharding import Unit
+from vertexrt.errors import DataError
+
+OWN, PAD = 0, 1
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where one reader is in its epoch. ``pos=None`` means the start of the unit."""
+
+    phase: int = OWN
+    unit: int = 0
+    pos: int | None = None
+    skip: int = 0
+    g: int = 0
+    block: int = 0
+    drop: int = 0
+    emitted: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cursor:
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise DataError(
+                f"data reader state has unknown cursor fields {sorted(unknown)}: not a vertexrt state"
+            )
+        return cls(**data)
+
+    @property
+    def consumed(self) -> int:
+        """Records this reader has delivered in the epoch."""
+        return self.emitted + self.drop
+
+
+@dataclass
+class Chunk:
+    """Records ready for the consumer, and what is needed to turn "c of them consumed" into a cursor."""
+
+    records: list[Any]
+    start: Cursor
+    stride: int
+    shuffled: bool
+
+    def cursor_after(self, consumed: int) -> Cursor:
+        if self.shuffled:
+            return replace(self.start, drop=self.start.drop + consumed)
+        return replace(
+            self.start, skip=self.start.skip + consumed * self.stride, emitted=self.start.emitted + consumed
+        )
+
+
+@dataclass
+class StreamSpec:
+    """Everything a reader needs to produce its epoch (picklable)."""
+
+    fmt: Format
+    sources: Sequence[Any]
+    units: list[Unit]
+    stride: int
+    offset: int
+    pad_units: list[Unit]
+    target: int | None
+    block_size: int
+    seed: int
+    epoch: int
+    reader: int
+    readers: int
+
+
+def _kept(
+    spec: StreamSpec, units: list[Unit], stride: int, offset: int, start: Cursor, errors: Errors
+) -> Iterator[tuple[int, int, int, int, list[Any]]]:
+    """``(unit, chunk pos, first raw index, g at chunk pos, records)``: record ``j`` sits at raw index
+    ``first + j * stride`` counted from chunk pos."""
+    fmt = spec.fmt
+    g = start.g
+    for ui in range(start.unit, len(units)):
+        unit = units[ui]
+        source = spec.sources[unit.source]
+        resumed = ui == start.unit and start.pos is not None
+        if unit.records:  # records [unit.start, unit.end) of a file; g counts the file's raw records
+            pos, skip, g = (start.pos, start.skip, start.g) if resumed else (0, unit.start, 0)
+            assert pos is not None and unit.end is not None
+            for cpos, raws in fmt.read(source, pos, None, errors):
+                n = len(raws)
+                if skip < n:
+                    k, skip = skip, 0
+                    picked = raws[k : min(n, unit.end - g)]
+                    if picked:
+                        yield from _decoded(fmt, source, picked, ui, cpos, k, g, 1, errors)
+                else:
+                    skip -= n
+                g += n
+                if g >= unit.end:
+                    break
+            continue
+        pos = start.pos if resumed else unit.start
+        skip = start.skip if ui == start.unit else 0
+        assert pos is not None
+        for cpos, raws in fmt.read(source, pos, unit.end, errors):
+            n = len(raws)
+            if skip >= n:
+                skip -= n
+                g += n
+                continue
+            k, skip = skip, 0
+            if stride > 1:
+                k += (offset - (g + k)) % stride
+            if k < n:
+                picked = raws[k::stride] if stride > 1 else (raws[k:] if k else raws)
+                yield from _decoded(fmt, source, picked, ui, cpos, k, g, stride, errors)
+            g += n
+
+
+def _decoded(
+    fmt: Format,
+    source: Any,
+    picked: list[Any],
+    ui: int,
+    cpos: int,
+    k: int,
+    g: int,
+    stride: int,
+    errors: Errors,
+) -> Iterator[tuple[int, int, int, int, list[Any]]]:
+    before = errors.skipped
+    records = fmt.decode(picked, source, cpos, errors)
+    if errors.skipped == before:
+        yield ui, cpos, k, g, records
+    else:
+        yield from _split_skipped(ui, cpos, k, g, records, stride)
+
+
+def _split_skipped(
+    ui: int, cpos: int, k: int, g: int, records: list[Any], stride: int
+) -> Iterator[tuple[int, int, int, int, list[Any]]]:
+    """Runs of good records around skipped ones, each with its own first raw index."""
+    run: list[Any] = []
+    run_start = k
+    for j, record in enumerate(records):
+        if record is SKIPPED:
+            if run:
+                yield ui, cpos, run_start, g, run
+            run = []
+            run_start = k + (j + 1) * stride
+        else:
+            run.append(record)
+    if run:
+        yield ui, cpos, run_start, g, run
+
+
+def chunks(spec: StreamSpec, cursor: Cursor, errors: Errors) -> Iterator[Chunk]:
+    """The reader's chunks from ``cursor`` to the end of its epoch (own share, then padding if any)."""
+    emitted = cursor.emitted
+    target = spec.target
+    if cursor.phase == OWN:
+        kept = _kept(spec, spec.units, spec.stride, spec.offset, cursor, errors)
+        if spec.block_size > 1:
+            produced = _shuffled(spec, kept, cursor, errors)
+        else:
+            produced = _plain(kept, OWN, spec.stride, emitted)
+        for chunk in produced:
+            if target is not None:
+                room = target - chunk.start.emitted - (chunk.start.drop if chunk.shuffled else 0)
+                if room <= 0:
+                    return
+                if len(chunk.records) > room:
+                    chunk.records = chunk.records[:room]
+            emitted = chunk.start.emitted + (chunk.start.drop if chunk.shuffled else 0) + len(chunk.records)
+            if chunk.records:
+                yield chunk
+        if target is None or emitted >= target:
+            return
+        cursor = Cursor(phase=PAD, emitted=emitted)
+    if target is None:
+        return
+    yield from _padding(spec, cursor, target, errors)
+
+
+def _plain(
+    kept: Iterator[tuple[int, int, int, int, list[Any]]], phase: int, stride: int, emitted: int
+) -> Iterator[Chunk]:
+    for ui, cpos, k, g, records in kept:
+        yield Chunk(records, Cursor(phase, ui, cpos, k, g, 0, 0, emitted), stride, False)
+        emitted += len(records)
+
+
+def _shuffled(
+    spec: StreamSpec, kept: Iterator[tuple[int, int, int, int, list[Any]]], cursor: Cursor, errors: Errors
+) -> Iterator[Chunk]:
+    import numpy as np
+
+    size = spec.block_size
+    stride = spec.stride
+    block = cursor.block
+    drop = cursor.drop
+    emitted = cursor.emitted
+    buf: list[Any] = []
+    head: tuple[int, int, int, int] | None = None
+
+    def emit() -> Chunk:
+        nonlocal block, drop, emitted
+        key = [spec.seed, spec.epoch, spec.reader, spec.readers, block]
+        order = np.random.default_rng(key).permutation(len(buf))
+        records = [buf[i] for i in order.tolist()]
+        assert head is not None
+        start = Cursor(OWN, head[0], head[1], head[2], head[3], block, drop, emitted)
+        chunk = Chunk(records[drop:] if drop else records, start, stride, True)
+        emitted += len(buf)
+        block += 1
+        drop = 0
+        return chunk
+
+    for ui, cpos, k, g, records in kept:
+        i = 0
+        while i < len(records):
+            if not buf:
+                head = (ui, cpos, k + i * stride, g)
+            take = records[i : i + size - len(buf)]
+            buf.extend(take)
+            i += len(take)
+            if len(buf) == size:
+                yield emit()
+                buf = []
+    if buf:
+        yield emit()
+
+
+def _padding(spec: StreamSpec, cursor: Cursor, target: int, errors: Errors) -> Iterator[Chunk]:
+    """Records repeated from the start of the whole epoch stream until ``target`` is reached."""
+    emitted = cursor.emitted
+    passes = cursor.block
+    start = cursor
+    while emitted < target:
+        got = 0
+        for ui, cpos, k, g, records in _kept(spec, spec.pad_units, 1, 0, start, errors):
+            room = target - emitted
+            records = records[:room]
+            yield Chunk(records, Cursor(PAD, ui, cpos, k, g, passes, 0, emitted), 1, False)
+            emitted += len(records)
+            got += len(records)
+            if emitted >= target:
+                return
+        if not got and start.unit == 0 and start.pos is None and start.skip == 0:
+            return  # a whole pass gave nothing: there is nothing to repeat
+        passes += 1
+        start = Cursor(PAD, block=passes, emitted=emitted)

@@ -1,0 +1,30 @@
+"""Cluster sources, one class each, in detection order (see :func:`vertexrt.distributed.cluster`)."""
+
+from __future__ import annotations
+
+from vertexrt.distributed.sources.base import ClusterSource
+from vertexrt.distributed.sources.cluster_spec import ClusterSpecSource, ClusterSpecWarning
+from vertexrt.distributed.sources.local import LocalSource
+from vertexrt.distributed.sources.master import MasterSource
+from vertexrt.distributed.sources.tf_config import TFConfigSource
+from vertexrt.distributed.sources.torchrun import TorchrunSource
+
+#: Detection order: the first source whose ``detect`` is true describes the process.
+SOURCES: tuple[type[ClusterSource], ...] = (
+    TorchrunSource,
+    ClusterSpecSource,
+    TFConfigSource,
+    MasterSource,
+    LocalSource,
+)
+
+__all__ = [
+    "SOURCES",
+    "ClusterSource",
+    "ClusterSpecSource",
+    "ClusterSpecWarning",
+    "LocalSource",
+    "MasterSource",
+    "TFConfigSource",
+    "TorchrunSource",
+]

@@ -1,0 +1,60 @@
+"""examples/checkpoint_resume.py: killed (SIGKILL) or preempted (SIGTERM) runs resume to the same weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "checkpoint_resume.py")
+
+
+def _run(directory: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, EXAMPLE, "--dir", directory, "--steps", "120", *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _interrupt(directory: str, sig: int, after_saves: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, EXAMPLE, "--dir", directory, "--steps", "120", "--every", "10", "--sleep", "0.02"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    saves = 0
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        saves += line.startswith("saving step")
+        if saves >= after_saves:
+            proc.send_signal(sig)
+            break
+    proc.communicate(timeout=60)
+    return proc
+
+
+@pytest.mark.slow
+def test_killed_and_preempted_runs_resume_to_identical_weights(tmp_path):
+    reference = _run(str(tmp_path / "straight"), "--every", "10")
+    assert reference.returncode == 0, reference.stderr
+    expected = reference.stdout.strip().splitlines()[-1]
+    assert expected.startswith("done:")
+
+    killed = _interrupt(str(tmp_path / "killed"), signal.SIGKILL, after_saves=4)
+    assert killed.returncode == -signal.SIGKILL
+    resumed = _run(str(tmp_path / "killed"), "--every", "10")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.startswith("resumed from step") and "step -1" not in resumed.stdout
+    assert resumed.stdout.strip().splitlines()[-1] == expected
+
+    preempted = _interrupt(str(tmp_path / "preempted"), signal.SIGTERM, after_saves=3)
+    assert preempted.returncode == 143
+    resumed = _run(str(tmp_path / "preempted"), "--every", "10")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.strip().splitlines()[-1] == expected

@@ -1,0 +1,52 @@
+"""Fixtures for the data tests: writers that put files under any storage root (local dir or gs://)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import pytest
+
+from vertexrt import paths
+
+SIZES_7 = [5, 50, 1, 0, 33, 120, 7]  # uneven, one empty: 216 records
+
+
+def write_bytes(uri: str, data: bytes) -> str:
+    with paths.open(uri, "wb") as f:
+        f.write(data)
+    return uri
+
+
+def jsonl_bytes(records: Iterable[Any]) -> bytes:
+    return b"".join(json.dumps(r).encode() + b"\n" for r in records)
+
+
+@pytest.fixture
+def write_jsonl() -> Callable[..., str]:
+    """``write_jsonl(uri, records, gz=False)``."""
+
+    def write(uri: str, records: Iterable[Any], gz: bool = False) -> str:
+        data = jsonl_bytes(records)
+        return write_bytes(uri, gzip.compress(data) if gz else data)
+
+    return write
+
+
+@pytest.fixture
+def id_files(write_jsonl: Callable[..., str]) -> Callable[..., list[str]]:
+    """``id_files(root, sizes)``: JSONL files ``part-i.jsonl`` of ``{"id": n}`` with consecutive ids."""
+
+    def make(root: str, sizes: Sequence[int] = SIZES_7, prefix: str = "part") -> list[str]:
+        uris = []
+        next_id = 0
+        for index, size in enumerate(sizes):
+            uri = paths.join(root, f"{prefix}-{index:02d}.jsonl")
+            write_jsonl(uri, [{"id": next_id + i} for i in range(size)])
+            next_id += size
+            uris.append(uri)
+        return uris
+
+    return make

@@ -1,0 +1,74 @@
+"""TensorFlow multi-worker checks; one mode per run: ctl, fit_legacy, hang_chief, after_ops."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+mode = sys.argv[1]
+
+from vertexrt.distributed import cluster, setup_tensorflow  # noqa: E402
+from vertexrt.errors import ConfigError  # noqa: E402
+
+if mode == "hang_chief":
+    if cluster().role != "chief":
+        sys.exit(0)  # the chief's peer never comes: it blocks in the strategy constructor
+    import tensorflow  # noqa: F401  # imported first, so only the strategy constructor remains
+
+    print("entering the strategy constructor", flush=True)  # it holds the GIL while it waits
+    setup_tensorflow(legacy_keras=False)
+    sys.exit(3)  # not reached
+
+if mode == "after_ops":
+    import tensorflow as tf
+
+    tf.constant(1.0) + 1.0
+    try:
+        setup_tensorflow()
+    except ConfigError as err:
+        print("RESULT " + json.dumps({"error": str(err)}), flush=True)
+        sys.exit(0)
+    sys.exit(4)
+
+strategy = setup_tensorflow(legacy_keras=True if mode == "fit_legacy" else None)
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+x = np.random.RandomState(cluster().rank).rand(32, 4).astype("float32")  # different data per worker
+y = x.sum(axis=1, keepdims=True)
+options = tf.data.Options()
+options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).with_options(options)
+
+with strategy.scope():
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(1)])
+    optimizer = tf.keras.optimizers.SGD(0.1)
+
+if mode == "fit_legacy":
+    model.compile(optimizer=optimizer, loss="mse")
+    model.fit(dataset, epochs=1, verbose=0)
+else:
+
+    @tf.function
+    def step(batch):
+        def replica_step(inputs):
+            features, labels = inputs
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(features) - labels) ** 2) / strategy.num_replicas_in_sync
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+        strategy.run(replica_step, args=(batch,))
+
+    step(next(iter(strategy.experimental_distribute_dataset(dataset))))
+
+record = {
+    "strategy": type(strategy).__name__,
+    "is_multi_worker": isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy),
+    "replicas": strategy.num_replicas_in_sync,
+    "keras": tf.keras.__name__,
+    "weights": [w.numpy().ravel().round(6).tolist() for w in model.weights],
+    "role": cluster().role,
+}
+print("RESULT " + json.dumps(record), flush=True)

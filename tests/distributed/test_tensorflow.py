@@ -1,0 +1,158 @@
+"""tf_config() and setup_tensorflow(): what TensorFlow reads back, real multi-worker training, the Keras
+finding, the ordering error, and a worker whose peer never comes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vertexrt.distributed import Cluster, cluster, setup_tensorflow, tf_config
+from vertexrt.errors import ClusterSpecError, ConfigError
+
+from .conftest import SCRIPTS, run_tree
+
+POOLS = {
+    "workerpool0": ["cmle-training-workerpool0-ab-0:2222"],
+    "workerpool1": ["cmle-training-workerpool1-ab-0:2222", "cmle-training-workerpool1-ab-1:2222"],
+    "workerpool2": ["cmle-training-workerpool2-ab-0:2222"],
+    "workerpool3": ["cmle-training-workerpool3-ab-0:2222"],
+}
+
+
+def vertex(pools: dict[str, list[str]], task: str, index: int = 0, trial: str = "") -> Cluster:
+    return cluster(
+        {
+            "CLUSTER_SPEC": json.dumps(
+                {"cluster": pools, "task": {"type": task, "index": index, "trial": trial}}
+            )
+        }
+    )
+
+
+def test_tf_config_maps_vertex_pools_to_tensorflow_task_types() -> None:
+    config = tf_config(vertex(POOLS, "workerpool1", 1, trial="2"))
+    assert config == {
+        "cluster": {
+            "chief": POOLS["workerpool0"],
+            "worker": POOLS["workerpool1"],
+            "ps": POOLS["workerpool2"],
+        },
+        "task": {"type": "worker", "index": 1, "trial": "2"},
+    }
+    evaluator = tf_config(vertex(POOLS, "workerpool3"))
+    assert evaluator["task"] == {"type": "evaluator", "index": 0} and "evaluator" not in evaluator["cluster"]
+    assert tf_config(vertex(POOLS, "workerpool2"))["task"] == {"type": "ps", "index": 0}
+
+
+def test_tf_config_is_empty_without_a_cluster() -> None:
+    assert tf_config(Cluster(source="local")) == {}
+    assert tf_config(vertex({"workerpool0": POOLS["workerpool0"]}, "workerpool0")) == {}
+
+
+def test_tf_config_refuses_what_it_cannot_describe() -> None:
+    master_only = cluster({"MASTER_ADDR": "h", "RANK": "0", "WORLD_SIZE": "2"})
+    with pytest.raises(ClusterSpecError, match="MASTER_ADDR, which does not list every replica"):
+        tf_config(master_only)
+    reducer = cluster(
+        {
+            "CLUSTER_SPEC": json.dumps({"cluster": POOLS, "task": {"type": "workerpool2", "index": 0}}),
+            "VERTEXRT_WORKERPOOL2": "reduction_server",
+        }
+    )
+    with pytest.raises(ConfigError, match="Reduction Server"):
+        tf_config(reducer)
+
+
+def test_setup_tensorflow_rejects_bad_requests_before_importing_tensorflow() -> None:
+    with pytest.raises(ConfigError, match="expected one of auto"):
+        setup_tensorflow("mirrored_multi")
+    with pytest.raises(ConfigError, match="needs a multi-replica cluster"):
+        setup_tensorflow("multi_worker_mirrored", cluster=Cluster(source="local"))
+    assert "tensorflow" not in sys.modules
+
+
+@pytest.mark.slow
+def test_tensorflow_reads_back_what_tf_config_writes(tmp_path) -> None:
+    clusters = [vertex(POOLS, pool, i) for pool in POOLS for i in range(len(POOLS[pool]))]
+    clusters.append(
+        cluster(
+            {
+                "TF_CONFIG": json.dumps(
+                    {
+                        "cluster": {"master": ["m:1"], "worker": ["w:1"]},
+                        "task": {"type": "master", "index": 0},
+                    }
+                )
+            }
+        )
+    )
+    configs = [tf_config(c) for c in clusters]
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "tf_resolver.py")],
+        input=json.dumps(configs),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    read_back = json.loads(proc.stdout.partition("RESULT ")[2])
+    for config, seen in zip(configs, read_back, strict=True):
+        assert seen["cluster"] == config["cluster"]
+        assert (seen["type"], seen["index"]) == (config["task"]["type"], config["task"]["index"])
+
+
+@pytest.mark.slow
+def test_two_workers_train_a_step_with_identical_weights(local_run) -> None:
+    run = local_run("--workers", "2", "--", "tf_train.py", "ctl", timeout=180)
+    assert run.returncode == 0, run.output
+    chief, worker = run.results()["chief"], run.results()["worker-0"]
+    assert chief["is_multi_worker"] and chief["replicas"] == 2
+    assert chief["weights"] == worker["weights"]
+    assert run.output.count("Keras 3 (the tf.keras of TensorFlow >= 2.16) fails in model.fit") == 2
+
+
+@pytest.mark.slow
+def test_keras_fit_works_with_legacy_keras(local_run) -> None:
+    run = local_run("--workers", "2", "--", "tf_train.py", "fit_legacy", timeout=180)
+    assert run.returncode == 0, run.output
+    chief, worker = run.results()["chief"], run.results()["worker-0"]
+    assert chief["keras"].startswith("tf_keras") and chief["is_multi_worker"]
+    assert chief["weights"] == worker["weights"]
+    assert "Keras 3 (the tf.keras" not in run.output
+
+
+@pytest.mark.slow
+def test_setup_after_tensorflow_ran_ops_explains_the_ordering(tmp_path) -> None:
+    tf_config_value = json.dumps(
+        {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}
+    )
+    run = run_tree(
+        [sys.executable, str(SCRIPTS / "tf_train.py"), "after_ops"],
+        timeout=120,
+        cwd=tmp_path,
+        env={"TF_CONFIG": tf_config_value},
+    )
+    assert run.returncode == 0, run.output
+    assert "must run before TensorFlow executes its first op" in run.records()[0]["error"]
+
+
+@pytest.mark.slow
+def test_worker_whose_peer_never_starts_is_killed(local_run) -> None:
+    run = local_run(
+        "--workers",
+        "2",
+        "--grace",
+        "2",
+        "--",
+        "tf_train.py",
+        "hang_chief",
+        timeout=120,
+        stop_when="entering the strategy constructor",
+        stop_delay=3,
+    )
+    assert run.returncode == 128 + 15, run.output  # the launcher was stopped with SIGTERM
+    assert "chief ignored SIGTERM for 2s: SIGKILL" in run.output

@@ -1,0 +1,95 @@
+"""init_torch() and spawn(): real gloo process groups under local-run, and the single-process path."""
+
+from __future__ import annotations
+
+import pytest
+
+from vertexrt.distributed import Cluster, init_torch, spawn
+from vertexrt.distributed.torch import child_environment
+from vertexrt.errors import ConfigError
+
+
+def check_all_reduce(records: list[dict], world_size: int) -> None:
+    assert sorted(r["rank"] for r in records) == list(range(world_size))
+    expected = world_size * (world_size + 1) / 2
+    for r in records:
+        assert r["world_size"] == world_size and r["sum"] == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [2, 3])
+def test_gloo_all_reduce_across_replicas(local_run, workers: int) -> None:
+    run = local_run("--workers", str(workers), "--", "torch_allreduce.py", timeout=120)
+    assert run.returncode == 0, run.output
+    records = run.records()
+    check_all_reduce(records, workers)
+    for r in records:
+        assert r["source"] == "CLUSTER_SPEC" and r["again"] == r["rank"]
+        assert r["world_info"] == [r["rank"], workers, "torch.distributed"]
+        assert r["is_chief"] == (r["rank"] == 0) and r["num_nodes"] == workers
+
+
+@pytest.mark.slow
+def test_two_processes_per_node_on_two_nodes(local_run) -> None:
+    run = local_run("--workers", "2", "--processes-per-node", "2", "--", "torch_allreduce.py", timeout=120)
+    assert run.returncode == 0, run.output
+    records = run.records()
+    check_all_reduce(records, 4)
+    assert {(r["rank"], r["node_rank"], r["local_rank"]) for r in records} == {
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 1, 0),
+        (3, 1, 1),
+    }
+
+
+@pytest.mark.slow
+def test_spawn_two_processes_per_node(local_run) -> None:
+    run = local_run("--workers", "2", "--", "torch_spawn.py", timeout=120)
+    assert run.returncode == 0, run.output
+    records = run.records()
+    check_all_reduce(records, 4)
+    assert {(r["rank"], r["role"], r["source"]) for r in records} == {
+        (0, "chief", "torchrun"),
+        (1, "chief", "torchrun"),
+        (2, "worker", "torchrun"),
+        (3, "worker", "torchrun"),
+    }
+
+
+def test_single_process_group_needs_no_rendezvous(clean_env) -> None:
+    handle = init_torch(cluster=Cluster(source="local"))
+    try:
+        assert (handle.rank, handle.world_size, handle.backend, str(handle.device)) == (0, 1, "gloo", "cpu")
+        assert init_torch() == handle  # idempotent
+    finally:
+        handle.shutdown()
+        handle.shutdown()
+
+
+def test_init_torch_refuses_replicas_outside_the_training_world() -> None:
+    evaluator = Cluster(source="CLUSTER_SPEC", role="evaluator", rank=-1, node_rank=-1, world_size=2)
+    with pytest.raises(ConfigError, match="evaluator 0 .* not part of the training world"):
+        init_torch(cluster=evaluator)
+
+
+def test_spawn_inside_torchrun_is_refused(monkeypatch) -> None:
+    for name, value in {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="torchrun"):
+        spawn(print, nprocs=2)
+
+
+def test_child_environment_numbers_processes_by_node() -> None:
+    node = Cluster(source="CLUSTER_SPEC", role="worker", node_rank=2, num_nodes=3, rank=2, world_size=3)
+    env = child_environment(node, 1, 4, "10.0.0.1:2345")
+    assert env == {
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "RANK": "9",
+        "WORLD_SIZE": "12",
+        "GROUP_RANK": "2",
+        "GROUP_WORLD_SIZE": "3",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "2345",
+    }
