@@ -49,10 +49,10 @@ def build_state(total_bytes: int) -> dict[str, Any]:
         if i % 3 == 2 and remaining > 2 * size:
             opt_state[i] = {
                 "step": torch.tensor(float(i)),
-                "exp_avg": torch.rand(size // 8, generator=gen),
-                "exp_avg_sq": torch.rand(size // 8, generator=gen),
+                "exp_avg": torch.rand(size // 16, generator=gen),
+                "exp_avg_sq": torch.rand(size // 16, generator=gen),
             }
-            remaining -= size // 4
+            remaining -= size // 2
         model[f"layer{i}.weight"] = torch.rand(size // 4, generator=gen)
         remaining -= size
         i += 1
@@ -117,11 +117,10 @@ def touch(tensors: dict[str, Any]) -> None:
         t.reshape(-1).numpy().view("uint8")[::4096].sum()
 
 
-def measure(fn: Callable[[int], Any], repeats: int, before: Callable[[int], Any] | None = None) -> float:
+def measure(fn: Callable[[int], Any], repeats: int, offset: int = 0) -> float:
+    """Median seconds of ``fn(i)`` over ``repeats`` calls."""
     times = []
-    for i in range(repeats):
-        if before:
-            before(i)
+    for i in range(offset, offset + repeats):
         gc.collect()
         start = time.perf_counter()
         fn(i)
@@ -151,6 +150,12 @@ def local_rows(state: dict[str, Any], root: str, repeats: int) -> tuple[list[tup
         os.makedirs(root)
 
     raw_path = os.path.join(root, "raw.bin")
+    st_path = os.path.join(root, "model.safetensors")
+    pt_path = os.path.join(root, "model.pt")
+    dcp_path = os.path.join(root, "dcp")
+    target = {k: torch.empty_like(v) for k, v in flat.items()}
+    peaks: dict[str, int] = {}
+    sync = CheckpointManager(os.path.join(root, "vx"), async_save=False, keep_policy=KeepLast(1))
 
     def raw_write(_: int) -> None:
         with open(raw_path, "wb", buffering=0) as f:
@@ -164,49 +169,55 @@ def local_rows(state: dict[str, Any], root: str, repeats: int) -> tuple[list[tup
         with open(raw_path, "rb", buffering=0) as f:
             f.readinto(memoryview(buf))
 
-    row("raw write+fsync (limit)", measure(raw_write, repeats, clean))
-    row("raw readinto (limit)", measure(raw_read, repeats))
-
-    st_path = os.path.join(root, "model.safetensors")
-    row(
-        "safetensors save_file +fsync",
-        measure(lambda _: (safetensors.torch.save_file(flat, st_path), fsync_tree(st_path)), repeats, clean),
-    )
-    row(
-        "safetensors load_file (mmap, lazy)", measure(lambda _: safetensors.torch.load_file(st_path), repeats)
-    )
-    row(
-        "safetensors load_file + touch pages",
-        measure(lambda _: touch(safetensors.torch.load_file(st_path)), repeats),
-    )
-
-    pt_path = os.path.join(root, "model.pt")
-    row(
-        "torch.save +fsync",
-        measure(lambda _: (torch.save(state, pt_path), fsync_tree(pt_path)), repeats, clean),
-    )
-    row("torch.load(weights_only=True)", measure(lambda _: torch.load(pt_path, weights_only=True), repeats))
-
-    dcp_path = os.path.join(root, "dcp")
-    row(
-        "torch DCP save +fsync",
-        measure(lambda _: (dcp.save(flat, checkpoint_id=dcp_path), fsync_tree(dcp_path)), repeats, clean),
-    )
-    target = {k: torch.empty_like(v) for k, v in flat.items()}
-    row("torch DCP load (in place)", measure(lambda _: dcp.load(target, checkpoint_id=dcp_path), repeats))
-
-    clean()
-    peaks: dict[str, int] = {}
-    sync = CheckpointManager(os.path.join(root, "vx"), async_save=False, keep_policy=KeepLast(1))
-
     def vx_save(i: int) -> None:
         with PeakRSS() as rss:
             sync.save(i, state)
         peaks["sync"] = max(peaks.get("sync", 0), rss.peak)
 
-    row("vertexrt save (sync)", measure(vx_save, repeats))
-    row("vertexrt restore", measure(lambda _: sync.restore(), repeats))
+    def remove(path: str) -> Callable[[int], None]:
+        def prepare(_: int) -> None:
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            elif os.path.exists(path):
+                os.remove(path)
+
+        return prepare
+
+    # (name, untimed preparation, timed operation); every repetition runs them all in turn, so a slow
+    # spell of the shared machine hits all rows alike instead of one.
+    saves = [
+        ("raw write+fsync (limit)", remove(raw_path), raw_write),
+        (
+            "safetensors save_file +fsync",
+            remove(st_path),
+            lambda _: (safetensors.torch.save_file(flat, st_path), fsync_tree(st_path)),
+        ),
+        ("torch.save +fsync", remove(pt_path), lambda _: (torch.save(state, pt_path), fsync_tree(pt_path))),
+        (
+            "torch DCP save +fsync",
+            remove(dcp_path),
+            lambda _: (dcp.save(flat, checkpoint_id=dcp_path), fsync_tree(dcp_path)),
+        ),
+        ("vertexrt save (sync)", None, vx_save),
+    ]
+    loads = [
+        ("raw readinto (limit)", None, raw_read),
+        ("safetensors load_file (mmap, lazy)", None, lambda _: safetensors.torch.load_file(st_path)),
+        ("safetensors load_file + touch pages", None, lambda _: touch(safetensors.torch.load_file(st_path))),
+        ("torch.load(weights_only=True)", None, lambda _: torch.load(pt_path, weights_only=True)),
+        ("torch DCP load (in place)", None, lambda _: dcp.load(target, checkpoint_id=dcp_path)),
+        ("vertexrt restore", None, lambda _: sync.restore()),
+    ]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in saves + loads}
+    for i in range(repeats):
+        for name, prepare, op in saves + loads:
+            if prepare:
+                prepare(i)
+            times[name].append(measure(op, 1, offset=i))
+    for name, _, _ in saves + loads:
+        row(name, statistics.median(times[name]))
     sync.close()
+    clean()
 
     asyncm = CheckpointManager(os.path.join(root, "vx-async"), keep_policy=KeepLast(1))
     blocked, totals = [], []
@@ -248,15 +259,25 @@ def gcs_rows(state: dict[str, Any], repeats: int) -> list[tuple[str, float, floa
         os.environ["STORAGE_EMULATOR_HOST"] = server.endpoint
         fs, path = paths.filesystem("gs://bench/single/raw.bin")
 
+        data = raw.tobytes()
+
         def single(_: int) -> None:
             with fs.open(path, "wb") as f:
-                f.write(raw.tobytes())
+                f.write(data)
 
-        row("gcsfs single stream write", measure(single, repeats))
-        row("gcsfs single object cat", measure(lambda _: fs.cat_file(path), repeats))
         mgr = CheckpointManager("gs://bench/vx", async_save=False, keep_policy=KeepLast(1))
-        row("vertexrt save (sync)", measure(lambda i: mgr.save(i, state), repeats))
-        row("vertexrt restore", measure(lambda _: mgr.restore(), repeats))
+        ops: list[tuple[str, Callable[[int], Any]]] = [
+            ("gcsfs single stream write", single),
+            ("vertexrt save (sync)", lambda i: mgr.save(i, state)),
+            ("gcsfs single object cat", lambda _: fs.cat_file(path)),
+            ("vertexrt restore", lambda _: mgr.restore()),
+        ]
+        times: dict[str, list[float]] = {name: [] for name, _ in ops}
+        for i in range(repeats):  # interleaved, as for local disk
+            for name, op in ops:
+                times[name].append(measure(op, 1, offset=i))
+        for name, _ in ops:
+            row(name, statistics.median(times[name]))
         mgr.close()
     return rows
 
@@ -307,7 +328,7 @@ def main() -> int:
             (
                 "vertexrt restore vs safetensors load (target >= 1.0)",
                 "vertexrt restore",
-                "safetensors load_file",
+                "safetensors load_file + touch pages",
             ),
             ("vertexrt save vs torch.save", "vertexrt save (sync)", "torch.save +fsync"),
             ("vertexrt save vs torch DCP save", "vertexrt save (sync)", "torch DCP save +fsync"),

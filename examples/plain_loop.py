@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 import vertexrt
+import vertexrt.data
 from vertexrt import paths
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps, KeepLast
 

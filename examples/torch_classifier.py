@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 import vertexrt
+import vertexrt.data
 from vertexrt import paths
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps, KeepLast
 

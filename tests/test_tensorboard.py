@@ -75,7 +75,24 @@ def test_gcs_flush_uploads_before_close(gcs_server, tmp_path):
         tb.close()
     second = _download(target, tmp_path / "second")
     assert _scalars(second, "loss") == [(1, 0.5), (2, 0.25)]
+    fs, path = paths.filesystem(target)
+    assert tb.bytes_uploaded == sum(fs.size(p) for p in fs.find(path))  # appended, never re-sent whole
     assert "note/text_summary" in EventAccumulator(second).Reload().Tags()["tensors"]
+
+
+def test_fuse_dir_is_staged_and_appended(monkeypatch, tmp_path):
+    pytest.importorskip("torch")
+    mount = tmp_path / "fuse"
+    (mount / "bucket").mkdir(parents=True)
+    monkeypatch.setenv("VERTEXRT_FUSE_ROOT", str(mount))  # a local directory stands in for the mount
+    with tensorboard.writer("/gcs/bucket/run/logs", backend="torch", chief_only=False) as tb:
+        assert tb.local_dir != "/gcs/bucket/run/logs"  # events are not appended through the mount
+        tb.scalar("loss", 0.5, 1)
+        tb.flush()
+        tb.scalar("loss", 0.25, 2)
+    written = mount / "bucket" / "run" / "logs"
+    assert _scalars(str(written), "loss") == [(1, 0.5), (2, 0.25)]
+    assert tb.bytes_uploaded == sum(f.stat().st_size for f in written.iterdir())
 
 
 def test_gcs_background_upload(gcs_server, tmp_path):

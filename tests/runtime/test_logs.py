@@ -44,7 +44,9 @@ def test_non_chief_logs_warnings_only_unless_all_ranks(capsys: pytest.CaptureFix
 
 
 def test_json_lines_on_stdout_with_severity_and_labels(capsys: pytest.CaptureFixture[str]) -> None:
-    undo = setup_logging(rank=2, replica="workerpool1-1", is_chief=False, json_lines=True, labels={"trial": "3"})
+    undo = setup_logging(
+        rank=2, replica="workerpool1-1", is_chief=False, json_lines=True, labels={"trial": "3"}
+    )
     try:
         _emit()
         try:
@@ -57,8 +59,10 @@ def test_json_lines_on_stdout_with_severity_and_labels(capsys: pytest.CaptureFix
     assert out.err == ""
     entries = [json.loads(line) for line in out.out.splitlines()]
     assert [e["severity"] for e in entries] == ["WARNING", "ERROR"]
-    assert entries[0]["logging.googleapis.com/labels"] == {"rank": "2", "replica": "workerpool1-1", "trial": "3"}
-    assert entries[1]["message"].startswith("failed\nTraceback") and "ValueError: boom" in entries[1]["message"]
+    labels = {"rank": "2", "replica": "workerpool1-1", "trial": "3"}
+    assert entries[0]["logging.googleapis.com/labels"] == labels
+    assert entries[1]["message"].startswith("failed\nTraceback")
+    assert "ValueError: boom" in entries[1]["message"]
 
 
 def test_undo_restores_the_root_logger() -> None:

@@ -203,12 +203,13 @@ class CheckpointManager:
         token = storage.new_token()
         if shard is not None:
             token = collective.broadcast(token, dist)
-        self._last = (step, time.time())
         if shard is None and self.rank != 0:
+            self._last = (step, time.time())
             return True
         tree, leaves = serialization.encode(state, allow_pickle=self.allow_pickle)
         nodes = [node for node, _ in leaves]
         clean_metrics = _metrics(metrics)
+        self._last = (step, time.time())
         blocking = not self.async_save or (self._notice is not None and self._notice.requested)
         buffers = [enc.data for _, enc in leaves] if blocking else self._snapshot([enc for _, enc in leaves])
         args = (step, tree, nodes, buffers, clean_metrics, token, shard)
@@ -247,7 +248,13 @@ class CheckpointManager:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        if exc is None:
+            self.close()
+            return
+        try:  # do not hide the exception that is already propagating
+            self.close()
+        except Exception as error:
+            log.error("the checkpoint save in flight failed too: %s", error)
 
     # -- preemption ----------------------------------------------------------------------------------------
 

@@ -18,9 +18,7 @@ import logging
 import os
 import re
 import shutil
-import socket
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -43,8 +41,13 @@ def step_name(step: int) -> str:
 
 def new_token() -> str:
     """``<host>-<pid>-<nonce>``: names everything one save writes, so leftovers can be traced to a writer."""
-    host = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
-    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return f"{_host()}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def _host() -> str:
+    import socket
+
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
 
 
 @dataclass(frozen=True)
@@ -230,7 +233,7 @@ class Strategy:
         if not match:
             return False
         host, pid = match[1], int(match[2])
-        if host != re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()):
+        if host != _host():
             return time.time() - mtime > self.stale_after
         if pid == os.getpid():
             return False

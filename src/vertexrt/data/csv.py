@@ -14,7 +14,7 @@ from typing import Any
 
 from vertexrt.data._io import compression_for
 from vertexrt.data._lines import line_chunks, locate
-from vertexrt.data.formats import SKIPPED, Errors, FileSource, Format
+from vertexrt.data.formats import Errors, FileSource, Format
 from vertexrt.errors import DataError
 
 
@@ -44,87 +44,73 @@ class CSV(Format):
 
     def read(
         self, source: FileSource, start: int, end: int | None, errors: Errors
-    ) -> Iterator[tuple[int, list[str]]]:
+    ) -> Iterator[tuple[int, list[tuple[tuple[str, ...], str]]]]:
         compression = compression_for(source.uri, self.compression)
-        need_header = self.columns is None and start == 0
+        header = None if start == 0 and self.columns is None else self.header(source)
         for pos, body in line_chunks(source.uri, compression, start, quoted=True):
             try:
                 text = body.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise DataError(f"{source.uri}: byte {pos + err.start} is not UTF-8 ({err.reason})") from None
-            raws = _records(text)
-            if need_header:
-                if raws:
-                    header = raws.pop(0)
-                    header_bytes = header.encode("utf-8")
-                    pos += body.find(header_bytes) + len(header_bytes) + 1
-                    self._headers()[source.uri] = next(_csv.reader([header], delimiter=self.delimiter))
-                    need_header = False
-                if not raws:
+            lines = _records(text)
+            if header is None:
+                if not lines:
                     continue
-            if raws:
-                yield pos, raws
+                first = lines.pop(0)
+                first_bytes = first.encode("utf-8")
+                pos += body.find(first_bytes) + len(first_bytes) + 1
+                header = tuple(next(_csv.reader([first], delimiter=self.delimiter)))
+            if lines:
+                yield pos, [(header, row) for row in _csv.reader(lines, delimiter=self.delimiter)]
 
-    def header(self, source: FileSource) -> list[str]:
+    def header(self, source: FileSource) -> tuple[str, ...]:
         """The column names of ``source`` (its first record, or ``columns``)."""
         if self.columns is not None:
-            return self.columns
+            return tuple(self.columns)
         compression = compression_for(source.uri, self.compression)
         for _, body in line_chunks(source.uri, compression, 0, quoted=True):
-            raws = _records(body.decode("utf-8", errors="replace"))
-            if raws:
-                return next(_csv.reader(raws[:1], delimiter=self.delimiter))
+            lines = _records(body.decode("utf-8", errors="replace"))
+            if lines:
+                return tuple(next(_csv.reader(lines[:1], delimiter=self.delimiter)))
         raise DataError(f"{source.uri}: the CSV file is empty (no header row); pass CSV(columns=[...])")
 
-    def decode(self, raws: list[str], source: FileSource, position: int, errors: Errors) -> list[Any]:
-        header = self._header_cache(source)
-        width = len(header)
-        out = []
-        types = [(name, self.types[name]) for name in header if name in self.types]
-        for index, row in enumerate(_csv.reader(raws, delimiter=self.delimiter)):
-            if len(row) != width:
-                where = self._where(source, position, raws[index])
-                errors.bad(f"{where}: CSV row has {len(row)} columns, the header has {width} ({header})")
-                out.append(SKIPPED)
-                continue
+    def decoder(self) -> Callable[[tuple[tuple[str, ...], list[str]]], dict[str, Any]]:
+        types = list(self.types.items())
+
+        def decode(raw: tuple[tuple[str, ...], list[str]]) -> dict[str, Any]:
+            header, row = raw
+            if len(row) != len(header):
+                raise DataError(
+                    f"CSV row has {len(row)} columns, the header has {len(header)} ({list(header)})"
+                )
             record: dict[str, Any] = dict(zip(header, row, strict=True))
-            try:
-                for name, convert in types:
-                    value = record[name]
-                    record[name] = convert(value) if value != "" else None
-            except (TypeError, ValueError) as err:
-                where = self._where(source, position, raws[index])
-                errors.bad(f"{where}: column {name!r} value {record[name]!r} cannot be converted: {err}")
-                out.append(SKIPPED)
-                continue
-            out.append(record)
-        return out
+            for name, convert in types:
+                value = record.get(name)
+                if value is not None:
+                    try:
+                        record[name] = convert(value) if value != "" else None
+                    except (TypeError, ValueError) as err:
+                        raise DataError(
+                            f"column {name!r} value {value!r} cannot be converted: {err}"
+                        ) from None
+            return record
 
-    def _headers(self) -> dict[str, list[str]]:
-        return self.__dict__.setdefault("_header_by_uri", {})  # type: ignore[no-any-return]
+        return decode
 
-    def _header_cache(self, source: FileSource) -> list[str]:
-        cache = self._headers()
-        if source.uri not in cache:
-            cache[source.uri] = self.header(source)
-        return cache[source.uri]
+    def describe(
+        self, raw: tuple[tuple[str, ...], list[str]], origins: list[tuple[FileSource, int]], error: Exception
+    ) -> str:
+        delimiter = self.delimiter
 
-    def _where(self, source: FileSource, position: int, raw: str) -> str:
-        compression = compression_for(source.uri, self.compression)
-        line_no, offset = locate(source.uri, compression, position, raw.encode("utf-8"))
-        return f"{source.uri}:{line_no} (byte {offset})"
+        def same_row(line: bytes) -> bool:
+            parsed = next(_csv.reader([line.decode("utf-8", errors="replace")], delimiter=delimiter), [])
+            return parsed == raw[1]
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in vars(self).items() if k != "_header_by_uri"}
-
-    def __repr__(self) -> str:
-        return f"CSV(types={self.types!r}, delimiter={self.delimiter!r}, columns={self.columns!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CSV) and self.__getstate__() == other.__getstate__()
-
-    def __hash__(self) -> int:
-        return hash(repr(self))
+        for source, position in origins:
+            found = locate(source.uri, compression_for(source.uri, self.compression), position, same_row)
+            if found is not None:
+                return f"{source.uri}:{found[0]} (byte {found[1]}): {error}"
+        return f"{origins[0][0].uri}: row {raw[1]!r}: {error}"
 
 
 def _records(text: str) -> list[str]:

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from vertexrt.data.formats import SKIPPED, Errors, Format
+from vertexrt.data.formats import Errors, Format
 from vertexrt.data.sharding import Unit
 from vertexrt.errors import DataError
 
@@ -57,12 +57,16 @@ class Cursor:
 
 @dataclass
 class Chunk:
-    """Records ready for the consumer, and what is needed to turn "c of them consumed" into a cursor."""
+    """Raw records ready for the consumer (decoded as they are handed out), where they came from, and
+    what is needed to turn "c of them consumed" into a cursor."""
 
     records: list[Any]
     start: Cursor
     stride: int
     shuffled: bool
+    origins: list[
+        tuple[Any, int]
+    ]  # (source, position) of the reads the records came from, for error messages
 
     def cursor_after(self, consumed: int) -> Cursor:
         if self.shuffled:
@@ -90,11 +94,14 @@ class StreamSpec:
     readers: int
 
 
+Kept = tuple[int, int, int, int, list[Any], Any]
+
+
 def _kept(
     spec: StreamSpec, units: list[Unit], stride: int, offset: int, start: Cursor, errors: Errors
-) -> Iterator[tuple[int, int, int, int, list[Any]]]:
-    """``(unit, chunk pos, first raw index, g at chunk pos, records)``: record ``j`` sits at raw index
-    ``first + j * stride`` counted from chunk pos."""
+) -> Iterator[Kept]:
+    """``(unit, chunk pos, first raw index, g at chunk pos, raws, source)``: raw ``j`` of the list sits at
+    raw index ``first + j * stride`` counted from chunk pos."""
     fmt = spec.fmt
     g = start.g
     for ui in range(start.unit, len(units)):
@@ -110,7 +117,7 @@ def _kept(
                     k, skip = skip, 0
                     picked = raws[k : min(n, unit.end - g)]
                     if picked:
-                        yield from _decoded(fmt, source, picked, ui, cpos, k, g, 1, errors)
+                        yield ui, cpos, k, g, picked, source
                 else:
                     skip -= n
                 g += n
@@ -130,46 +137,8 @@ def _kept(
             if stride > 1:
                 k += (offset - (g + k)) % stride
             if k < n:
-                picked = raws[k::stride] if stride > 1 else (raws[k:] if k else raws)
-                yield from _decoded(fmt, source, picked, ui, cpos, k, g, stride, errors)
+                yield ui, cpos, k, g, (raws[k::stride] if stride > 1 else (raws[k:] if k else raws)), source
             g += n
-
-
-def _decoded(
-    fmt: Format,
-    source: Any,
-    picked: list[Any],
-    ui: int,
-    cpos: int,
-    k: int,
-    g: int,
-    stride: int,
-    errors: Errors,
-) -> Iterator[tuple[int, int, int, int, list[Any]]]:
-    before = errors.skipped
-    records = fmt.decode(picked, source, cpos, errors)
-    if errors.skipped == before:
-        yield ui, cpos, k, g, records
-    else:
-        yield from _split_skipped(ui, cpos, k, g, records, stride)
-
-
-def _split_skipped(
-    ui: int, cpos: int, k: int, g: int, records: list[Any], stride: int
-) -> Iterator[tuple[int, int, int, int, list[Any]]]:
-    """Runs of good records around skipped ones, each with its own first raw index."""
-    run: list[Any] = []
-    run_start = k
-    for j, record in enumerate(records):
-        if record is SKIPPED:
-            if run:
-                yield ui, cpos, run_start, g, run
-            run = []
-            run_start = k + (j + 1) * stride
-        else:
-            run.append(record)
-    if run:
-        yield ui, cpos, run_start, g, run
 
 
 def chunks(spec: StreamSpec, cursor: Cursor, errors: Errors) -> Iterator[Chunk]:
@@ -178,39 +147,32 @@ def chunks(spec: StreamSpec, cursor: Cursor, errors: Errors) -> Iterator[Chunk]:
     target = spec.target
     if cursor.phase == OWN:
         kept = _kept(spec, spec.units, spec.stride, spec.offset, cursor, errors)
-        if spec.block_size > 1:
-            produced = _shuffled(spec, kept, cursor, errors)
-        else:
-            produced = _plain(kept, OWN, spec.stride, emitted)
+        produced = (
+            _shuffled(spec, kept, cursor) if spec.block_size > 1 else _plain(kept, OWN, spec.stride, emitted)
+        )
         for chunk in produced:
+            before = chunk.start.emitted + (chunk.start.drop if chunk.shuffled else 0)
             if target is not None:
-                room = target - chunk.start.emitted - (chunk.start.drop if chunk.shuffled else 0)
-                if room <= 0:
+                if before >= target:
                     return
-                if len(chunk.records) > room:
-                    chunk.records = chunk.records[:room]
-            emitted = chunk.start.emitted + (chunk.start.drop if chunk.shuffled else 0) + len(chunk.records)
+                chunk.records = chunk.records[: target - before]
+            emitted = before + len(chunk.records)
             if chunk.records:
                 yield chunk
         if target is None or emitted >= target:
             return
         cursor = Cursor(phase=PAD, emitted=emitted)
-    if target is None:
-        return
-    yield from _padding(spec, cursor, target, errors)
+    if target is not None:
+        yield from _padding(spec, cursor, target, errors)
 
 
-def _plain(
-    kept: Iterator[tuple[int, int, int, int, list[Any]]], phase: int, stride: int, emitted: int
-) -> Iterator[Chunk]:
-    for ui, cpos, k, g, records in kept:
-        yield Chunk(records, Cursor(phase, ui, cpos, k, g, 0, 0, emitted), stride, False)
-        emitted += len(records)
+def _plain(kept: Iterator[Kept], phase: int, stride: int, emitted: int, passes: int = 0) -> Iterator[Chunk]:
+    for ui, cpos, k, g, raws, source in kept:
+        yield Chunk(raws, Cursor(phase, ui, cpos, k, g, passes, 0, emitted), stride, False, [(source, cpos)])
+        emitted += len(raws)
 
 
-def _shuffled(
-    spec: StreamSpec, kept: Iterator[tuple[int, int, int, int, list[Any]]], cursor: Cursor, errors: Errors
-) -> Iterator[Chunk]:
+def _shuffled(spec: StreamSpec, kept: Iterator[Kept], cursor: Cursor) -> Iterator[Chunk]:
     import numpy as np
 
     size = spec.block_size
@@ -219,32 +181,34 @@ def _shuffled(
     drop = cursor.drop
     emitted = cursor.emitted
     buf: list[Any] = []
-    head: tuple[int, int, int, int] | None = None
+    origins: list[tuple[Any, int]] = []
+    head = (0, 0, 0, 0)
 
     def emit() -> Chunk:
         nonlocal block, drop, emitted
-        key = [spec.seed, spec.epoch, spec.reader, spec.readers, block]
-        order = np.random.default_rng(key).permutation(len(buf))
+        order = np.random.default_rng([spec.seed, spec.epoch, spec.reader, spec.readers, block]).permutation(
+            len(buf)
+        )
         records = [buf[i] for i in order.tolist()]
-        assert head is not None
         start = Cursor(OWN, head[0], head[1], head[2], head[3], block, drop, emitted)
-        chunk = Chunk(records[drop:] if drop else records, start, stride, True)
+        chunk = Chunk(records[drop:] if drop else records, start, stride, True, origins)
         emitted += len(buf)
         block += 1
         drop = 0
         return chunk
 
-    for ui, cpos, k, g, records in kept:
+    for ui, cpos, k, g, raws, source in kept:
         i = 0
-        while i < len(records):
+        while i < len(raws):
             if not buf:
                 head = (ui, cpos, k + i * stride, g)
-            take = records[i : i + size - len(buf)]
+            take = raws[i : i + size - len(buf)]
             buf.extend(take)
+            origins.append((source, cpos))
             i += len(take)
             if len(buf) == size:
                 yield emit()
-                buf = []
+                buf, origins = [], []
     if buf:
         yield emit()
 
@@ -255,16 +219,14 @@ def _padding(spec: StreamSpec, cursor: Cursor, target: int, errors: Errors) -> I
     passes = cursor.block
     start = cursor
     while emitted < target:
-        got = 0
-        for ui, cpos, k, g, records in _kept(spec, spec.pad_units, 1, 0, start, errors):
-            room = target - emitted
-            records = records[:room]
-            yield Chunk(records, Cursor(PAD, ui, cpos, k, g, passes, 0, emitted), 1, False)
-            emitted += len(records)
-            got += len(records)
+        fresh = start.unit == 0 and start.pos is None and start.skip == 0
+        for chunk in _plain(_kept(spec, spec.pad_units, 1, 0, start, errors), PAD, 1, emitted, passes):
+            chunk.records = chunk.records[: target - emitted]
+            emitted += len(chunk.records)
+            yield chunk
             if emitted >= target:
                 return
-        if not got and start.unit == 0 and start.pos is None and start.skip == 0:
+        if fresh and emitted == start.emitted:
             return  # a whole pass gave nothing: there is nothing to repeat
         passes += 1
         start = Cursor(PAD, block=passes, emitted=emitted)

@@ -154,12 +154,24 @@ class Dataset:
             source: Iterator[Chunk] = Prefetcher(lambda: chunks(spec, cursor, errors), self.prefetch)
         else:
             source = chunks(spec, cursor, errors)
+        decode = self.format.decoder()
         finished = False
         try:
             for chunk in source:
-                records = iter(chunk.records)
+                raws = chunk.records
+                records = iter(raws)
                 self._live = (chunk, records)
-                yield from records
+                if decode is None:
+                    yield from records
+                    continue
+                while True:
+                    try:
+                        yield from map(decode, records)
+                        break
+                    except Exception as err:  # a record that does not decode: the iterator is past it
+                        bad = raws[len(raws) - records.__length_hint__() - 1]  # type: ignore[attr-defined]
+                        if not self.format.ignorable(bad):
+                            errors.bad(self.format.describe(bad, chunk.origins, err))
             finished = True
         finally:
             if isinstance(source, Prefetcher):

@@ -10,7 +10,7 @@ records, lands on the same record whatever the chunk boundaries were — that is
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -19,16 +19,6 @@ from vertexrt.errors import DataError
 logger = logging.getLogger(__name__)
 
 OnError = Literal["raise", "skip"]
-
-
-class _Skipped:
-    """Placeholder ``decode`` leaves where a bad record was skipped, so positions stay countable."""
-
-    def __repr__(self) -> str:
-        return "SKIPPED"
-
-
-SKIPPED: Any = _Skipped()
 
 
 @dataclass(frozen=True)
@@ -67,16 +57,29 @@ class Format:
         """Chunks ``(position of raws[0], raws)`` from ``start`` (a position this format reported, or 0)."""
         raise NotImplementedError
 
-    def decode(self, raws: list[Any], source: Any, position: int, errors: Errors) -> list[Any]:
-        """Records from raw records, one per raw (identity by default); a skipped bad one is ``SKIPPED``."""
-        return raws
+    def decoder(self) -> Callable[[Any], Any] | None:
+        """The function that turns one raw record into a record as it is handed out (None: as is).
+
+        Decoding happens record by record in the consuming thread, so shuffle buffers hold compact raw
+        records and decoded objects die young (cheap for the garbage collector).
+        """
+        return None
+
+    def ignorable(self, raw: Any) -> bool:
+        """True for a raw record that failed to decode but is no record at all (a whitespace-only line)."""
+        return False
+
+    def describe(self, raw: Any, origins: list[tuple[Any, int]], error: Exception) -> str:
+        """Where and why ``raw`` (from one of the reads in ``origins``) failed to decode."""
+        where = getattr(origins[0][0], "uri", origins[0][0]) if origins else "?"
+        return f"{where}: bad record near position {origins[0][1] if origins else '?'}: {error}"
 
     def count(self, source: Any, errors: Errors) -> int:
         """Number of records in ``source`` (reads it unless the format has metadata)."""
         return sum(len(raws) for _, raws in self.read(source, 0, None, errors))
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        fields = ", ".join(f"{k}={_show(v)}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
 
     def __eq__(self, other: object) -> bool:
@@ -84,6 +87,15 @@ class Format:
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, repr(self)))
+
+
+def _show(value: Any) -> str:
+    """A repr that is the same in every process (functions by name, not address)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_show(v)}" for k, v in value.items()) + "}"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return repr(value)
 
 
 def format_named(name: str) -> Format:

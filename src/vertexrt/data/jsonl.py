@@ -1,4 +1,4 @@
-"""JSON Lines: one JSON value per line (orjson), plain or GZIP/ZLIB-compressed. Blank lines are skipped.
+"""JSON Lines: one JSON value per line (orjson), plain or GZIP/ZLIB-compressed; blank lines are skipped.
 
 Example:
     >>> ds = vertexrt.data.open_dataset("gs://b/export/training-*.jsonl", format=JSONL())
@@ -6,12 +6,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from vertexrt.data._io import compression_for
-from vertexrt.data._lines import line_chunks, locate
-from vertexrt.data.formats import SKIPPED, Errors, FileSource, Format
+from vertexrt.data._lines import line_lists, locate
+from vertexrt.data.formats import Errors, FileSource, Format
 
 
 class JSONL(Format):
@@ -29,27 +29,24 @@ class JSONL(Format):
     def read(
         self, source: FileSource, start: int, end: int | None, errors: Errors
     ) -> Iterator[tuple[int, list[bytes]]]:
-        compression = compression_for(source.uri, self.compression)
-        for pos, body in line_chunks(source.uri, compression, start):
-            raws = [line for line in body.split(b"\n") if line.strip()]
+        for pos, lines in line_lists(source.uri, compression_for(source.uri, self.compression), start):
+            raws = list(filter(None, lines))  # whitespace-only lines are dropped when they fail to decode
             if raws:
                 yield pos, raws
 
-    def decode(self, raws: list[bytes], source: FileSource, position: int, errors: Errors) -> list[Any]:
+    def ignorable(self, raw: bytes) -> bool:
+        return not raw.strip()
+
+    def decoder(self) -> Callable[[bytes], Any]:
         import orjson
 
-        loads = orjson.loads
-        try:
-            return [loads(line) for line in raws]
-        except orjson.JSONDecodeError:
-            pass
-        out = []
-        for line in raws:
-            try:
-                out.append(loads(line))
-            except orjson.JSONDecodeError as err:
-                compression = compression_for(source.uri, self.compression)
-                line_no, offset = locate(source.uri, compression, position, line)
-                errors.bad(f"{source.uri}:{line_no} (byte {offset}): malformed JSON line: {err}")
-                out.append(SKIPPED)
-        return out
+        return orjson.loads  # type: ignore[no-any-return]
+
+    def describe(self, raw: bytes, origins: list[tuple[FileSource, int]], error: Exception) -> str:
+        compression = ""
+        for source, position in origins:
+            compression = compression_for(source.uri, self.compression)
+            found = locate(source.uri, compression, position, raw)
+            if found is not None:
+                return f"{source.uri}:{found[0]} (byte {found[1]}): malformed JSON line: {error}"
+        return f"{origins[0][0].uri}: malformed JSON line {raw[:80]!r}: {error}"

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import IO, Any
 
 from vertexrt.data._io import READ_SIZE, compression_for, open_at
-from vertexrt.data.formats import SKIPPED, Errors, FileSource, Format
+from vertexrt.data.formats import Errors, FileSource, Format
 from vertexrt.errors import DataError
 
 _MASK_DELTA = 0xA282EAD8
@@ -61,9 +61,8 @@ class TFRecord(Format):
     ) -> Iterator[tuple[int, list[bytes]]]:
         from google_crc32c import value as crc32c
 
-        compression = compression_for(source.uri, self.compression)
         uri = source.uri
-        f = open_at(uri, compression, start)
+        f = open_at(uri, compression_for(uri, self.compression), start)
         unpack_header = _HEADER.unpack_from
         unpack_footer = _FOOTER.unpack_from
         length_crcs: dict[int, int] = {}
@@ -82,37 +81,38 @@ class TFRecord(Format):
                     return
                 buf = buf + data if buf else data
                 n = len(buf)
-                pos = 0
+                pos = first = 0  # first: where out[0] starts in buf
                 out: list[bytes] = []
+                append = out.append
                 while pos + 12 <= n:
                     length, length_crc = unpack_header(buf, pos)
-                    expected = length_crcs.get(length)
-                    if expected is None:
-                        expected = masked_crc32c(buf[pos : pos + 8])
-                        if expected == length_crc:
-                            length_crcs[length] = expected
-                    if expected != length_crc:
-                        errors.bad(
-                            f"{uri}: corrupted record at byte {base + pos} (length CRC mismatch); "
-                            "the rest of the file is skipped"
-                        )
-                        if out:
-                            yield base, out
-                        return
+                    if length_crcs.get(length) != length_crc:
+                        if masked_crc32c(buf[pos : pos + 8]) != length_crc:
+                            if out:
+                                yield base + first, out
+                            errors.bad(
+                                f"{uri}: corrupted record at byte {base + pos} (length CRC mismatch); "
+                                "the rest of the file is skipped"
+                            )
+                            return
+                        length_crcs[length] = length_crc
                     stop = pos + 12 + length
                     if stop + 4 > n:
                         break
                     payload = buf[pos + 12 : stop]
-                    crc = crc32c(payload)
-                    if (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF != unpack_footer(buf, stop)[
-                        0
-                    ]:
-                        errors.bad(f"{uri}: corrupted record at byte {base + pos} (payload CRC mismatch)")
+                    rot = (unpack_footer(buf, stop)[0] - _MASK_DELTA) & 0xFFFFFFFF
+                    if crc32c(payload) == ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF:
+                        append(payload)
                     else:
-                        out.append(payload)
+                        if out:
+                            yield base + first, out
+                            out = []
+                            append = out.append
+                        errors.bad(f"{uri}: corrupted record at byte {base + pos} (payload CRC mismatch)")
+                        first = stop + 4
                     pos = stop + 4
                 if out:
-                    yield base, out
+                    yield base + first, out
                 buf = buf[pos:]
                 base += pos
                 need = _HEADER.unpack_from(buf)[0] + 16 - len(buf) if len(buf) >= 12 else 12
@@ -120,19 +120,16 @@ class TFRecord(Format):
         finally:
             f.close()
 
-    def decode(self, raws: list[bytes], source: FileSource, position: int, errors: Errors) -> list[Any]:
+    def decoder(self) -> Callable[[bytes], Any] | None:
         if not self.example:
-            return raws
+            return None
         from vertexrt.data.example import decode_example
 
-        out = []
-        for raw in raws:
-            try:
-                out.append(decode_example(raw))
-            except DataError as err:
-                errors.bad(f"{source.uri}: record in the chunk at byte {position}: {err}")
-                out.append(SKIPPED)
-        return out
+        return decode_example
+
+    def describe(self, raw: bytes, origins: list[tuple[FileSource, int]], error: Exception) -> str:
+        source, position = origins[0]
+        return f"{source.uri}: a record read at byte {position} or later is not a tf.train.Example: {error}"
 
 
 class TFRecordWriter:

@@ -4,8 +4,9 @@ Each replica gets the environment Vertex would give it: ``CLUSTER_SPEC`` (always
 ``TF_CONFIG``, ``MASTER_ADDR``/``MASTER_PORT`` and node-level ``WORLD_SIZE``/``RANK``; ``AIP_MODEL_DIR``,
 ``AIP_CHECKPOINT_DIR``, ``AIP_TENSORBOARD_LOG_DIR`` under ``--base-output-dir`` (trial-scoped with
 ``--trial``); ``CLOUD_ML_JOB_ID``/``PROJECT_ID``/``REGION``/``TRIAL_ID``. Addresses are free loopback ports.
-Output lines are prefixed by replica; the exit code is the chief's, as Vertex judges a job; when the chief
-(or a worker) fails, every replica is torn down (SIGTERM, ``--grace`` seconds, SIGKILL).
+Output lines are prefixed by replica. The job succeeds when the chief exits 0, as Vertex judges a job; when
+the chief fails, or a worker does (Vertex would restart it; here the job fails with the worker's exit
+code), every replica is torn down (SIGTERM, ``--grace`` seconds, SIGKILL).
 
 ``--workers N`` counts training replicas including the chief (workerpool0 + N-1 in workerpool1), like the
 SDK's ``replica_count``. ``--processes-per-node K`` starts K processes per training replica with the
@@ -143,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
         processes_per_node=args.processes_per_node,
         trial=args.trial,
         job_id=args.job_id or str(int(time.time() * 1000)),
-        project=args.project or os.environ.get("GOOGLE_CLOUD_PROJECT") or "local-project",
+        project=args.project
+        or os.environ.get("GOOGLE_CLOUD_PROJECT")
+        or os.environ.get("CLOUDSDK_CORE_PROJECT")
+        or "local-project",
         region=args.region,
         base_output_dir=args.base_output_dir,
     )
@@ -285,9 +289,9 @@ class Supervisor:
     preempt_after: float | None = None
     restarts: int = 0
     out: BinaryIO = field(default_factory=lambda: sys.stdout.buffer)
-    _running: list[_Running] = field(default_factory=list)
-    _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
-    _stop_signal: int | None = None
+    _running: list[_Running] = field(default_factory=list, init=False)
+    _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector, init=False)
+    _stop_signal: int | None = field(default=None, init=False)
 
     def run(self) -> int:
         main_thread = threading.current_thread() is threading.main_thread()

@@ -204,7 +204,7 @@ class Trainer(StateTracker):
             progress.close()
         if self.has_evaluate() and self._loop.last_eval_step != self.step:
             self._evaluate()
-        if self._unsaved():
+        if self._saved is None or self._saved["step"] != self.step:  # a step is written once
             self._save(force=True)
         self.checkpoints.wait()
         if self.ctx.is_chief:
@@ -270,7 +270,7 @@ class Trainer(StateTracker):
             _set_epoch(data, loop.epoch)
             logger.warning("train_data has no state_dict(): skipping %d batches to resume mid-epoch", skip)
         eval_every, max_steps, world = self.eval_every, self.max_steps, self.ctx.world_size
-        for batch in data:
+        for batch in _iterate(data, keep_rng=loop.batch_in_epoch > 0):
             if skip:
                 skip -= 1
                 continue
@@ -309,16 +309,26 @@ class Trainer(StateTracker):
         if self.checkpoints.save(self.step, self._tree, self._loop.eval_metrics, force=force, shard=shard):
             self._saved = self._loop.state_dict()
 
-    def _unsaved(self) -> bool:
-        """The loop moved (a step, an epoch end, an evaluation) since the last checkpoint."""
-        return self._saved != self._loop.state_dict()
-
     def _save_and_exit(self) -> None:
         logger.warning("preemption notice: saving the checkpoint of step %d", self.step)
-        if self._unsaved():
+        if self._saved != self._loop.state_dict():  # e.g. preempted in evaluate(): record it to redo it
             self._save(force=True)
         self.checkpoints.wait()
         raise Preempted(self.step)
+
+
+def _iterate(data: Iterable[T], *, keep_rng: bool) -> Iterator[T]:
+    """``iter(data)``; with ``keep_rng``, without moving the global RNGs (a DataLoader draws a seed from
+    torch's when its iterator starts: resuming mid-epoch must not draw one the original run drew earlier)."""
+    if not keep_rng:
+        return iter(data)
+    from vertexrt.checkpoint import rng_state
+
+    rng = rng_state()
+    before = rng.state_dict()
+    batches = iter(data)
+    rng.load_state_dict(before)
+    return batches
 
 
 def _set_epoch(data: Any, epoch: int) -> None:

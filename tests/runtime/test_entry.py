@@ -1,0 +1,177 @@
+"""@main: what the training function receives, and the exit codes (0, the user's error, 143)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vertexrt.errors import ConfigError
+from vertexrt.runtime import PREEMPTED_EXIT_CODE, Context, Preempted, main
+
+
+def test_passes_a_context_and_returns_the_result(runtime_env: Any) -> None:
+    seen: list[Context] = []
+
+    @main
+    def train(ctx: Context) -> str:
+        seen.append(ctx)
+        return "done"
+
+    assert train() == "done"
+    ctx = seen[0]
+    assert (ctx.rank, ctx.world_size, ctx.is_chief, ctx.framework, ctx.device) == (0, 1, True, None, "cpu")
+    assert ctx.checkpoints.directory == ctx.env.checkpoint_dir
+    assert ctx.replica == "chief-0"
+
+
+def test_parses_arguments_the_hypertune_way(runtime_env: Any) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch_size", type=int, default=8)
+
+    @main(parser=parser)
+    def train(ctx: Context, args: argparse.Namespace) -> int:
+        assert ctx.args is args
+        return int(args.batch_size)
+
+    assert train(["--batch_size=256.0"]) == 256
+
+
+def test_user_error_is_reraised_naming_the_replica(
+    runtime_env: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    @main
+    def train(ctx: Context) -> None:
+        raise KeyError("labels")
+
+    with pytest.raises(KeyError) as raised:
+        train()
+    assert raised.value.__notes__ == ["vertexrt: raised on replica chief-0 (rank 0 of 1)"]
+    assert "replica chief-0 (rank 0 of 1) failed: KeyError" in caplog.text
+
+
+def test_sigterm_then_return_exits_143_and_restores_the_handler(runtime_env: Any) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+
+    @main
+    def train(ctx: Context) -> None:
+        assert not ctx.should_stop()
+        os.kill(os.getpid(), signal.SIGTERM)  # the flag handler is installed: the process lives on
+        assert ctx.should_stop() and ctx.preempted
+
+    with pytest.raises(Preempted) as raised:
+        train()
+    assert raised.value.code == PREEMPTED_EXIT_CODE == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_logging_is_set_up_for_the_call_only(runtime_env: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    root = logging.getLogger()
+    handlers = list(root.handlers)
+
+    @main(log_level="DEBUG")
+    def train(ctx: Context) -> None:
+        logging.getLogger("user").debug("inside")
+
+    train()
+    assert "[chief-0 r0] DEBUG user: inside" in capsys.readouterr().err
+    assert root.handlers == handlers
+
+
+def test_torch_framework_sets_up_the_process_group_and_device(runtime_env: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    @main(framework="torch")
+    def train(ctx: Context) -> bool:
+        assert ctx.device == torch.device("cpu")
+        return dist.is_initialized()
+
+    assert train() is True
+    assert not dist.is_initialized()  # torn down by @main, which created it
+
+
+def test_unknown_framework_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="framework='jax'"):
+        main(framework="jax")
+
+
+def test_vertex_log_format_is_json_lines_unless_asked(
+    vertex_env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    vertex_env(base_output_dir=str(tmp_path / "base"), trial="4")
+
+    @main
+    def train(ctx: Context) -> None:
+        logging.getLogger("user").info("hello")
+
+    train()
+    out = capsys.readouterr().out
+    assert '"severity": "INFO"' in out and '"trial": "4"' in out and '"replica": "workerpool0-0"' in out
+    monkeypatch.setenv("VERTEXRT_LOG_FORMAT", "text")
+    train()
+    assert "[workerpool0-0 r0] INFO user: hello" in capsys.readouterr().err
+
+
+SCRIPT = """
+import os, signal, sys
+from vertexrt.runtime import main
+
+@main
+def train(ctx):
+    if sys.argv[1] == "fail":
+        raise RuntimeError("bad batch")
+    if sys.argv[1] == "preempt":
+        os.kill(os.getpid(), signal.SIGTERM)
+        ctx.should_stop()
+
+train()
+"""
+
+
+@pytest.mark.parametrize("mode, code", [("ok", 0), ("fail", 1), ("preempt", 143)])
+def test_exit_codes_of_a_real_process(runtime_env: Any, tmp_path: Path, mode: str, code: int) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    done = subprocess.run(
+        [sys.executable, str(script), mode], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == code, done.stderr
+    if mode == "fail":
+        assert "RuntimeError: bad batch" in done.stderr
+        assert "vertexrt: raised on replica chief-0 (rank 0 of 1)" in done.stderr
+    if mode == "preempt":
+        assert "exiting 143 so the replica restarts" in done.stderr
+
+
+TF_SCRIPT = """
+from vertexrt.runtime import main
+
+@main(framework="tf")
+def train(ctx):
+    import tensorflow as tf
+    assert isinstance(ctx.strategy, tf.distribute.Strategy), ctx.strategy
+    print("strategy", type(ctx.strategy).__name__, ctx.device)
+
+train()
+"""
+
+
+@pytest.mark.slow
+def test_tf_framework_creates_the_strategy_first(runtime_env: Any, tmp_path: Path) -> None:
+    script = tmp_path / "train_tf.py"
+    script.write_text(textwrap.dedent(TF_SCRIPT))
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "strategy _DefaultDistributionStrategy cpu" in done.stdout

@@ -1,0 +1,107 @@
+"""Device selection with faked inventories, CUDA_VISIBLE_DEVICES, nvidia-smi parsing, NCCL defaults."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+
+import pytest
+
+from vertexrt import devices
+from vertexrt.devices import GPU, filter_visible, parse_nvidia_smi, select_device, visible_devices
+from vertexrt.errors import ConfigError
+
+SMI = """0, GPU-aaaa1111-0000, NVIDIA A100-SXM4-40GB, 40960
+1, GPU-bbbb2222-0000, NVIDIA A100-SXM4-40GB, 40960
+2, GPU-cccc3333-0000, NVIDIA L4, 23034
+3, GPU-dddd4444-0000, NVIDIA L4, [N/A]
+"""
+INVENTORY = parse_nvidia_smi(SMI)
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "local_world_size", "num_gpus", "device"),
+    [(0, 1, 0, "cpu"), (3, 4, 0, "cpu"), (0, 1, 8, "cuda:0"), (2, 4, 4, "cuda:2"), (1, 2, 8, "cuda:1")],
+)
+def test_select_device(local_rank: int, local_world_size: int, num_gpus: int, device: str) -> None:
+    assert select_device(local_rank, local_world_size, num_gpus) == device
+
+
+def test_more_processes_than_gpus_is_an_error_that_says_what_to_do() -> None:
+    with pytest.raises(ConfigError, match=r"4 processes .*LOCAL_WORLD_SIZE.* only 2 visible .*nprocs='gpu'"):
+        select_device(3, 4, 2)
+    with pytest.raises(ConfigError, match="local_rank=2 is out of range"):
+        select_device(2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("value", "tokens"),
+    [
+        (None, None),
+        ("", []),
+        ("-1", []),
+        ("0,2", ["0", "2"]),
+        ("1, 0", ["1", "0"]),
+        ("0,x,1", ["0"]),
+        ("GPU-bbbb", ["GPU-bbbb"]),
+    ],
+)
+def test_visible_devices_parses_like_cuda(value: str | None, tokens: list[str] | None) -> None:
+    assert visible_devices(value) == tokens
+
+
+def test_filter_visible_renumbers_in_the_order_given() -> None:
+    assert filter_visible(INVENTORY, None) == INVENTORY
+    chosen = filter_visible(INVENTORY, "2,0")
+    assert [(g.index, g.name, g.uuid) for g in chosen] == [
+        (0, "NVIDIA L4", "GPU-cccc3333-0000"),
+        (1, "NVIDIA A100-SXM4-40GB", "GPU-aaaa1111-0000"),
+    ]
+    assert [g.uuid for g in filter_visible(INVENTORY, "GPU-dddd,GPU-bbbb")] == [
+        "GPU-dddd4444-0000",
+        "GPU-bbbb2222-0000",
+    ]
+    assert filter_visible(INVENTORY, "1,7,2") == [
+        GPU(0, "NVIDIA A100-SXM4-40GB", 40960 << 20, "GPU-bbbb2222-0000")
+    ]
+    assert filter_visible(INVENTORY, "1,1") == [
+        GPU(0, "NVIDIA A100-SXM4-40GB", 40960 << 20, "GPU-bbbb2222-0000")
+    ]
+    assert filter_visible(INVENTORY, "") == []
+
+
+def test_parse_nvidia_smi_reads_names_memory_and_skips_noise() -> None:
+    assert len(INVENTORY) == 4 and INVENTORY[2] == GPU(2, "NVIDIA L4", 23034 << 20, "GPU-cccc3333-0000")
+    assert INVENTORY[3].memory_bytes is None
+    assert parse_nvidia_smi("No devices were found\n") == []
+
+
+def test_inventory_from_nvidia_smi_without_importing_a_framework(tmp_path, monkeypatch) -> None:
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{SMI}EOF\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    for name in ("torch", "tensorflow"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    gpus = devices.gpu_inventory({"CUDA_VISIBLE_DEVICES": "3,1"})
+    assert [(g.index, g.uuid) for g in gpus] == [(0, "GPU-dddd4444-0000"), (1, "GPU-bbbb2222-0000")]
+    assert len(devices.gpu_inventory({})) == 4
+    assert "torch" not in sys.modules and "tensorflow" not in sys.modules
+
+
+def test_no_gpu_here_means_cpu(monkeypatch, tmp_path) -> None:
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", str(tmp_path))  # no nvidia-smi
+        for name in ("torch", "tensorflow"):
+            patch.delitem(sys.modules, name, raising=False)
+        assert devices.gpu_inventory({}) == []
+    assert str(devices.torch_device(0, 1)) == "cpu"
+
+
+def test_nccl_defaults_only_fill_what_is_unset() -> None:
+    env = {"NCCL_DEBUG": "INFO"}
+    applied = devices.apply_nccl_defaults(env)
+    assert applied == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert env == {"NCCL_DEBUG": "INFO", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    assert devices.apply_nccl_defaults(env) == {}
