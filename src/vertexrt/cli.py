@@ -9,12 +9,12 @@ Example:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
+from warnings import catch_warnings, simplefilter
 
 from vertexrt.errors import VertexrtError
 
@@ -78,21 +78,15 @@ def info_report() -> dict[str, Any]:
 
 
 def _cluster_summary(warnings: list[str]) -> dict[str, Any] | None:
+    from vertexrt.distributed import cluster
+
     try:
-        from vertexrt.distributed import cluster
-    except ImportError:
-        return None
-    try:
-        current = cluster()
+        with catch_warnings():  # disagreements are reported, in more detail, by contract_warnings()
+            simplefilter("ignore")
+            return cluster().summary()
     except VertexrtError as err:
         warnings.append(str(err))
         return None
-    summary = getattr(current, "summary", None)
-    if callable(summary):
-        return dict(summary())
-    if dataclasses.is_dataclass(current) and not isinstance(current, type):
-        return dataclasses.asdict(current)
-    return {"repr": repr(current)}
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -121,15 +115,14 @@ def _info(args: argparse.Namespace) -> int:
 def _gcs_server(args: argparse.Namespace) -> int:
     from vertexrt.emulator import GCSServer
 
-    server = GCSServer(buckets=args.bucket, port=args.port).start()
-    print(f"export STORAGE_EMULATOR_HOST={server.endpoint}")
-    print("export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false")
-    print(
-        f"# buckets: {', '.join(args.bucket) or '(none)'}; log: {server.log_path}; Ctrl-C stops it",
-        flush=True,
-    )
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # before start: never orphan the server
+    server = GCSServer(buckets=args.bucket, port=args.port)
     try:
+        server.start()
+        print(f"export STORAGE_EMULATOR_HOST={server.endpoint}")
+        print("export GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false")
+        buckets = ", ".join(args.bucket) or "(none)"
+        print(f"# buckets: {buckets}; log: {server.log_path}; Ctrl-C stops it", flush=True)
         signal.pause()
     except (KeyboardInterrupt, SystemExit):
         pass

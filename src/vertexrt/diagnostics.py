@@ -19,11 +19,14 @@ _TF_NAMES = {"workerpool0": ("chief", "master"), "workerpool1": ("worker",), "wo
 
 
 def contract_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Human-readable warnings about the contract this process sees (empty when all is well)."""
+    """Human-readable warnings about the contract this process sees (empty when all is well).
+
+    Malformed ``CLUSTER_SPEC``/``TF_CONFIG`` are reported by :func:`vertexrt.distributed.cluster`; this
+    adds what no single variable shows.
+    """
     environ = os.environ if environ is None else environ
     warnings: list[str] = []
-    cluster_spec = _parse_json(environ, "CLUSTER_SPEC", warnings)
-    tf_config = _parse_json(environ, "TF_CONFIG", warnings)
+    cluster_spec, tf_config = _json_object(environ, "CLUSTER_SPEC"), _json_object(environ, "TF_CONFIG")
     if cluster_spec is not None and tf_config is not None:
         warnings += _disagreements(cluster_spec, tf_config)
     on_vertex = bool(environ.get("CLOUD_ML_JOB_ID") or environ.get("CLUSTER_SPEC"))
@@ -48,22 +51,13 @@ def contract_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
     return warnings
 
 
-def _parse_json(environ: Mapping[str, str], name: str, warnings: list[str]) -> dict[str, Any] | None:
-    text = environ.get(name)
-    if text is None:
-        return None
+def _json_object(environ: Mapping[str, str], name: str) -> dict[str, Any] | None:
     try:
-        value = json.loads(text)
-    except ValueError as err:
-        warnings.append(f"{name} is not valid JSON ({err}): {text[:80]!r}")
+        value = json.loads(environ.get(name) or "null")
+    except ValueError:
         return None
-    if not isinstance(value, dict):
-        warnings.append(f"{name} must be a JSON object, got {type(value).__name__}")
-        return None
-    if not isinstance(value.get("cluster", {}), dict) or not isinstance(value.get("task", {}), dict):
-        warnings.append(f"{name}: 'cluster' and 'task' must be JSON objects")
-        return None
-    return value
+    ok = isinstance(value, dict) and all(isinstance(value.get(k, {}), dict) for k in ("cluster", "task"))
+    return value if ok else None
 
 
 def _disagreements(cluster_spec: dict[str, Any], tf_config: dict[str, Any]) -> list[str]:
