@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "PathError": "vertexrt.errors",
     "DataError": "vertexrt.errors",
     "CheckpointError": "vertexrt.errors",
+    "MetricError": "vertexrt.errors",
     "Environment": "vertexrt.env",
     "environment": "vertexrt.env",
     "project_id": "vertexrt.env",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
         ClusterSpecError,
         ConfigError,
         DataError,
+        MetricError,
         PathError,
         VertexrtError,
     )

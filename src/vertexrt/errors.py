@@ -34,5 +34,9 @@ class DataError(VertexrtError):
     """A data file or table is malformed, unreadable or empty."""
 
 
+class MetricError(VertexrtError, ValueError):
+    """A reported metric value is NaN, infinite or not a number."""
+
+
 class CheckpointError(VertexrtError):
     """A checkpoint cannot be written, committed, verified or restored."""

@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from vertexrt.errors import VertexrtError
+from vertexrt.errors import MetricError
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,6 @@ MAX_ENTRIES = 100  # cloudml-hypertune keeps (and rewrites) only the last 100 re
 _lock = threading.Lock()
 _queues: dict[str, collections.deque[str]] = {}  # per metric file: its last 100 lines
 _warned_tags: set[tuple[str, str]] = set()
-
-
-class MetricError(VertexrtError, ValueError):
-    """A reported metric value is NaN, infinite or not a number."""
 
 
 def is_chief() -> bool:
