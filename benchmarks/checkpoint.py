@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -301,6 +302,7 @@ def main() -> int:
     parser.add_argument("--skip-gcs", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP in one process
 
     state = build_state(int(args.gib * (1 << 30)))
     size = nbytes(state)

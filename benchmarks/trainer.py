@@ -5,10 +5,14 @@ Trainer run has everything on: progress tracking, the preemption check after eve
 manager's save policy asked after every step (saving every 500 steps, in the background), an evaluation
 per epoch and the final checkpoint.
 
-The overhead is what happens *between* two steps: each step stamps the clock when it starts and ends, and
-the gap from one step's end to the next step's start is the loop's own cost (the plain loop's gap is a
-``for`` over a list). Medians of the gaps are robust to the scheduler pausing the process on a busy
-machine; means include the amortised checkpoint saves and such pauses. The whole-run times are shown too.
+Three measures, each the median of ``--repeats`` runs:
+- whole run: wall time of the loop (fixed costs and scheduler noise included);
+- empty steps: steps that do nothing, 10x as many, no checkpoint before the final one: the loop's own
+  bookkeeping per step with warm caches (fixed costs spread over the steps);
+- between steps: each 1 ms step stamps the clock when it starts and ends; the gap from one step's end to
+  the next one's start is the loop's own cost (the plain loop's is a ``for`` over a list). The median gap
+  is robust to the scheduler pausing the process on a busy machine; the mean includes the amortised
+  checkpoint saves and such pauses.
 
 Run: .venv/bin/python benchmarks/trainer.py [--steps 3000] [--repeats 5]
 """
@@ -25,16 +29,17 @@ STEP_SECONDS = 0.001
 
 
 class Stamps:
-    """Start and end times of every step."""
+    """Start and end times of every step; a step busy-waits ``seconds``."""
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: float = STEP_SECONDS) -> None:
+        self.seconds = seconds
         self.starts: list[float] = []
         self.ends: list[float] = []
 
     def step(self) -> None:
         now = time.perf_counter()
         self.starts.append(now)
-        end = now + STEP_SECONDS
+        end = now + self.seconds
         while time.perf_counter() < end:
             pass
         self.ends.append(time.perf_counter())
@@ -43,20 +48,22 @@ class Stamps:
         return [b - a for a, b in zip(self.ends, self.starts[1:], strict=False)]
 
 
-def plain_loop(steps: int) -> tuple[float, list[float]]:
+def plain_loop(steps: int, seconds: float = STEP_SECONDS) -> tuple[float, list[float]]:
     """The baseline: iterate the data and run the step."""
-    data, stamps = list(range(steps)), Stamps()
+    data, stamps = list(range(steps)), Stamps(seconds)
     start = time.perf_counter()
     for _batch in data:
         stamps.step()
     return time.perf_counter() - start, stamps.gaps()
 
 
-def trainer_loop(steps: int, root: str) -> tuple[float, list[float]]:
+def trainer_loop(
+    steps: int, root: str, seconds: float = STEP_SECONDS, save_every: int = 500
+) -> tuple[float, list[float]]:
     from vertexrt.checkpoint import CheckpointManager, EveryNSteps, KeepLast
     from vertexrt.runtime import Context, Trainer
 
-    stamps = Stamps()
+    stamps = Stamps(seconds)
 
     class Bench(Trainer):
         def setup(self) -> None:
@@ -76,7 +83,8 @@ def trainer_loop(steps: int, root: str) -> tuple[float, list[float]]:
     ctx.install_preemption_handler()
     ctx.metrics.hypertune = False
     directory = tempfile.mkdtemp(dir=root)
-    ctx.checkpoints = CheckpointManager(directory, save_policy=EveryNSteps(500), keep_policy=KeepLast(2))
+    policy = EveryNSteps(save_every)
+    ctx.checkpoints = CheckpointManager(directory, save_policy=policy, keep_policy=KeepLast(2))
     trainer = Bench(ctx, max_epochs=1, progress_interval=3600.0, progress_bar=False)
     start = time.perf_counter()
     trainer.fit()
@@ -92,11 +100,16 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("VERTEXRT_LOCAL_DIR", tempfile.mkdtemp(prefix="vertexrt-bench-"))
     runs: dict[str, list[tuple[float, list[float]]]] = {"plain": [], "trainer": []}
+    empty: dict[str, list[float]] = {"plain": [], "trainer": []}
     with tempfile.TemporaryDirectory(prefix="vertexrt-bench-ckpt-") as root:
         trainer_loop(50, root)  # warm-up: imports
         for _ in range(args.repeats):
             runs["plain"].append(plain_loop(args.steps))
             runs["trainer"].append(trainer_loop(args.steps, root))
+            # Empty steps: the loop's own cost with warm caches (whole fit() over 10x the steps).
+            empty["plain"].append(plain_loop(10 * args.steps, 0.0)[0] / (10 * args.steps))
+            empty_fit = trainer_loop(10 * args.steps, root, 0.0, save_every=10**9)[0]
+            empty["trainer"].append(empty_fit / (10 * args.steps))
 
     def summary(name: str) -> tuple[float, float, float]:
         wall = statistics.median(t for t, _ in runs[name])
@@ -110,8 +123,10 @@ def main() -> None:
         f"median of {args.repeats} runs"
     )
     print(f"{'':36}{'plain loop':>12}{'Trainer.fit()':>15}{'overhead':>11}{'% of step':>11}")
+    e_plain, e_fit = statistics.median(empty["plain"]) * 1e6, statistics.median(empty["trainer"]) * 1e6
     rows = (
         ("whole run (s)", plain[0], fit[0], fit[0] - plain[0], 100 * (fit[0] - plain[0]) / plain[0]),
+        (f"empty steps, per step, {10 * args.steps} (us)", e_plain, e_fit, e_fit - e_plain, None),
         ("between steps, median (us)", plain[1] * 1e6, fit[1] * 1e6, (fit[1] - plain[1]) * 1e6, None),
         ("between steps, mean (us)", plain[2] * 1e6, fit[2] * 1e6, (fit[2] - plain[2]) * 1e6, None),
     )

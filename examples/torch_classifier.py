@@ -39,6 +39,7 @@ from torch.utils.data import DataLoader
 
 import vertexrt
 import vertexrt.data
+import vertexrt.data.torch
 from vertexrt import paths
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps, KeepLast
 
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--format", choices=("jsonl", "tfrecord"), default="jsonl")
     parser.add_argument("--data", default=None, help="training data URI (default: AIP_TRAINING_DATA_URI)")
     parser.add_argument("--val-data", default=None, help="validation data URI")
-    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
     parser.add_argument("--log-every", type=float, default=5.0, help="seconds between progress lines")
     parser.add_argument(
         "--record-log", default=None, help="directory: each rank logs the record ids it trains on"
@@ -172,7 +173,10 @@ class Classifier(vertexrt.Trainer):
             equalize="drop_remainder",  # the same number of batches on every rank, as DDP needs
             batch_size=args.batch_size,
         )
-        self.train_data = DataLoader(train.as_torch(), batch_size=args.batch_size, collate_fn=collate)
+        # vertexrt's DataLoader keeps an exact read position (with any num_workers): resume mid-epoch.
+        self.train_data = vertexrt.data.torch.DataLoader(
+            train, batch_size=args.batch_size, collate_fn=collate
+        )
         val = vertexrt.data.open_dataset(val_uri, fmt, shuffle=False, rank=0, world_size=1)
         self.val_data = DataLoader(val.as_torch(), batch_size=256, collate_fn=collate)
         self._record_log = None

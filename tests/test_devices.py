@@ -97,6 +97,7 @@ def test_no_gpu_here_means_cpu(monkeypatch, tmp_path) -> None:
             patch.delitem(sys.modules, name, raising=False)
         assert devices.gpu_inventory({}) == []
     assert str(devices.torch_device(0, 1)) == "cpu"
+    assert devices.gpu_inventory({}) == [] and devices.gpu_count() == 0  # through torch, now imported
 
 
 def test_nccl_defaults_only_fill_what_is_unset() -> None:

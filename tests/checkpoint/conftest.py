@@ -7,7 +7,8 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from ckpt_helpers import read_bytes, write_bytes
+
+from .ckpt_helpers import read_bytes, write_bytes
 
 
 @pytest.fixture

@@ -9,9 +9,10 @@ import sys
 import time
 
 import pytest
-from ckpt_helpers import assert_state_equal, disk_full_scenario, make_state
 
 from vertexrt.checkpoint import CheckpointManager
+
+from .ckpt_helpers import assert_state_equal, disk_full_scenario, make_state
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KILLS = {"local": 28, "gcs": 22}

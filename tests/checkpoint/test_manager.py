@@ -11,14 +11,6 @@ import numpy as np
 import orjson
 import pytest
 import torch
-from ckpt_helpers import (
-    assert_state_equal,
-    list_files,
-    make_state,
-    read_bytes,
-    remove,
-    write_bytes,
-)
 
 from vertexrt import paths
 from vertexrt.checkpoint import (
@@ -28,7 +20,16 @@ from vertexrt.checkpoint import (
     KeepBest,
     KeepLast,
 )
-from vertexrt.errors import CheckpointError
+from vertexrt.errors import CheckpointError, ConfigError
+
+from .ckpt_helpers import (
+    assert_state_equal,
+    list_files,
+    make_state,
+    read_bytes,
+    remove,
+    write_bytes,
+)
 
 
 def _data_files(root: str, step: int) -> list[str]:
@@ -315,3 +316,30 @@ def test_another_hosts_leftovers_are_removed_only_when_stale(tmp_path):
     with CheckpointManager(str(root), stale_after=600):
         pass
     assert not old.exists() and fresh.exists()
+
+
+def test_bad_steps_and_nan_metrics(tmp_path):
+    keep = KeepLast(1) | KeepBest("loss")
+    with CheckpointManager(str(tmp_path), keep_policy=keep, async_save=False) as mgr:
+        for bad in (-1, 1.5, "3", True):
+            with pytest.raises(ConfigError, match="step must be an integer"):
+                mgr.save(bad, {})
+        mgr.save(np.int64(1), {}, metrics={"loss": float("nan")})
+    with CheckpointManager(str(tmp_path), keep_policy=keep, async_save=False) as mgr:
+        mgr.save(2, {}, metrics={"loss": 0.5})  # reads step 1's NaN (stored as null) back without failing
+        assert mgr.all_steps() == [2]
+        mgr.save(3, {}, metrics={"loss": 0.7})
+        assert mgr.all_steps() == [2, 3]
+
+
+def test_restored_values_outlive_their_step_and_are_private(storage_root):
+    with CheckpointManager(storage_root, keep_policy=KeepLast(1), async_save=False) as mgr:
+        mgr.save(1, {"w": torch.arange(1000.0), "a": np.arange(10)})
+        got = mgr.restore()
+        got["w"].add_(1.0)  # writable, and writing does not touch the checkpoint
+        got["a"][0] = 42
+        assert_state_like = mgr.restore()
+        assert torch.equal(assert_state_like["w"], torch.arange(1000.0))
+        mgr.save(2, {"w": torch.zeros(3), "a": np.zeros(1)})  # deletes step 1
+        assert mgr.all_steps() == [2]
+    assert torch.equal(got["w"], torch.arange(1000.0) + 1) and got["a"][0] == 42

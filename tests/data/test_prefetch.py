@@ -92,7 +92,7 @@ def test_decode_errors_keep_earlier_records_and_positions(tmp_path) -> None:
 def test_breaking_out_of_the_loop_stops_the_reader_thread(tmp_path, write_jsonl) -> None:
     write_jsonl(str(tmp_path / "a.jsonl"), [{"i": i} for i in range(100_000)])
     before = threading.active_count()
-    ds = open_dataset(str(tmp_path / "a.jsonl"), shuffle=False, rank=0, world_size=1)
+    ds = open_dataset(str(tmp_path / "a.jsonl"), shuffle=False, prefetch=2, rank=0, world_size=1)
     for record in ds:
         if record["i"] == 10:
             break

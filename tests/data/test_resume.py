@@ -107,10 +107,10 @@ def test_resume_gzip_tfrecord_and_csv(storage_root: str) -> None:
     check_resume(uri, "TFRecord()", {"seed": 1, "shuffle_buffer": 64, "rank": 0, "world_size": 1})
     csv_uri = paths.join(storage_root, "r.csv")
     with paths.open(csv_uri, "w") as f:
-        f.write("id,text\n" + "".join(f'{i},"line {i}\nwith, a quoted newline"\n' for i in range(120)))
-    check_resume(
-        csv_uri, "CSV(types={'id': int})", {"seed": 1, "shuffle_buffer": 10, "rank": 0, "world_size": 1}
-    )
+        f.write("id,text\n" + "".join(f'{i},"line {i}\nwith, a quoted newline"\n' for i in range(2500)))
+    csv_format = "CSV(types={'id': int})"
+    check_resume(csv_uri, csv_format, {"seed": 1, "shuffle_buffer": 10, "rank": 0, "world_size": 1})
+    check_resume(csv_uri, csv_format, {"shuffle": False, "rank": 1, "world_size": 3})  # strided, 1 file
 
 
 def test_state_is_json_and_validated(tmp_path, id_files) -> None:

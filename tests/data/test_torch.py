@@ -71,3 +71,46 @@ def test_in_process_loader_state_dict_resumes(tmp_path, id_files) -> None:
     ).as_torch()
     again.load_state_dict(state)
     assert head + ids_of(list(DataLoader(again, batch_size=5))) == full
+
+
+@pytest.mark.slow
+def test_dataloader_workers_read_gcs_after_the_parent_used_gcsfs(gcs_server, id_files) -> None:
+    root = f"gs://{gcs_server.bucket}/torch-fork"
+    id_files(root)  # the parent lists and writes through gcsfs before the workers fork
+    ds = open_dataset(f"{root}/part-*.jsonl", seed=2, rank=0, world_size=1).as_torch()
+    loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="fork", timeout=120)
+    assert Counter(ids_of(list(loader))) == Counter(range(TOTAL))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+def test_vertexrt_dataloader_state_dict_is_exact_with_workers(tmp_path, id_files, workers: int) -> None:
+    import json
+
+    from vertexrt.data.torch import DataLoader as ResumableLoader
+
+    id_files(str(tmp_path))
+    pattern = f"{tmp_path}/part-*.jsonl"
+
+    def loader() -> ResumableLoader:
+        ds = open_dataset(pattern, seed=5, shuffle_buffer=16, rank=0, world_size=1)
+        return ResumableLoader(ds, batch_size=4, num_workers=workers, persistent_workers=workers > 0)
+
+    first = loader()
+    first.set_epoch(1)
+    full = ids_of(list(first))
+    assert sorted(full) == list(range(TOTAL)) and first.data.epoch == 2
+    for stop in (0, 1, 7, 30, 53, 54):  # 54 batches in the epoch (some workers finish earlier)
+        run = loader()
+        run.set_epoch(1)
+        it = iter(run)
+        head = ids_of([next(it) for _ in range(stop)])
+        state = json.loads(json.dumps(run.state_dict()))
+        del it, run
+        again = loader()
+        again.load_state_dict(state)
+        again.set_epoch(1)
+        rest = ids_of(list(again))
+        assert Counter(head + rest) == Counter(full), f"stop={stop} state={state}"
+        if workers == 0:
+            assert head + rest == full

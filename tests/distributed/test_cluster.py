@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import warnings
 
@@ -253,3 +254,17 @@ def test_world_info_uses_the_cluster_when_torch_is_not_initialised(vertex_env, m
 def test_summary_is_flat_and_readable() -> None:
     summary = Cluster(source="local").summary()
     assert summary["source"] == "local" and summary["rank"] == "0 of 1" and summary["is_chief"] is True
+
+
+def test_the_package_stays_light_and_its_names_are_not_shadowed() -> None:
+    code = (
+        "import sys, vertexrt.distributed as d\n"
+        "import vertexrt.distributed.detection, vertexrt.distributed.launcher\n"
+        "import vertexrt.distributed.tensorflow, vertexrt.distributed.torch\n"
+        "assert callable(d.cluster) and callable(d.tf_config), (d.cluster, d.tf_config)\n"
+        "d.cluster(); d.world_info()\n"
+        "print(sorted(m for m in ('torch', 'tensorflow', 'numpy', 'keras') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -35,7 +35,7 @@ def test_multi_replica_environment_is_what_vertex_gives(tmp_path) -> None:
     assert [r.label for r in replicas] == ["chief", "worker-0", "worker-1", "evaluator-0"]
     for replica in replicas:
         env = replica.env
-        assert env["HOME"] == "/root" and env["CLOUD_ML_TRIAL_ID"] == "3"
+        assert env["HOME"] == "/root" and env["CLOUD_ML_TRIAL_ID"] == "3" and env["VERTEXRT_LOCAL_RUN"] == "1"
         assert env["AIP_MODEL_DIR"] == "gs://b/base/3/model/"
         assert json.loads(env["CLUSTER_SPEC"])["task"]["trial"] == "3"
         tf_config = json.loads(env["TF_CONFIG"])
@@ -80,6 +80,8 @@ def test_bad_arguments_exit_2(capsys) -> None:
     assert main(["--workers", "2"]) == 2
     assert main(["--ps", "1", "--reduction-server", "--", "python"]) == 2
     assert "workerpool2" in capsys.readouterr().err
+    assert main(["--", "/nonexistent/train"]) == 2
+    assert "cannot start '/nonexistent/train' for chief" in capsys.readouterr().err
 
 
 def test_help_runs_as_a_module() -> None:
@@ -141,7 +143,7 @@ def test_job_succeeds_with_the_chief_and_the_rest_is_shut_down(local_run) -> Non
 
 @pytest.mark.slow
 def test_preemption_restarts_the_whole_job(local_run) -> None:
-    run = local_run("--workers", "2", "--preempt-after", "2", "--", "behave.py", "preempt", timeout=90)
+    run = local_run("--workers", "2", "--preempt-after", "4", "--", "behave.py", "preempt", timeout=90)
     assert run.returncode == 0, run.output
     assert run.output.count("got SIGTERM, saving") == 2  # both replicas were told, and had time to save
     assert "restarting the whole job (restart 1 of 1)" in run.output
@@ -159,6 +161,6 @@ def test_failure_with_restarts_reruns_then_reports_the_chief(local_run) -> None:
 
 @pytest.mark.slow
 def test_stopping_the_launcher_tears_everything_down(local_run) -> None:
-    run = local_run("--workers", "2", "--", "behave.py", "sleep", timeout=60, stop_after=2)
+    run = local_run("--workers", "2", "--", "behave.py", "sleep", timeout=60, stop_when="sleeping")
     assert run.returncode == 128 + 15, run.output
     assert "received signal 15" in run.output

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from vertexrt.distributed import Cluster, cluster, setup_tensorflow, tf_config
+from vertexrt.distributed.tensorflow import _extra_keys
 from vertexrt.errors import ClusterSpecError, ConfigError
 
 from .conftest import SCRIPTS, run_tree
@@ -64,6 +65,12 @@ def test_tf_config_refuses_what_it_cannot_describe() -> None:
     )
     with pytest.raises(ConfigError, match="Reduction Server"):
         tf_config(reducer)
+
+
+def test_rewriting_tf_config_keeps_what_it_does_not_own() -> None:
+    existing = json.dumps({"cluster": {}, "task": {}, "rpc_layer": "grpc", "environment": "cloud"})
+    assert _extra_keys(existing) == {"rpc_layer": "grpc", "environment": "cloud"}
+    assert _extra_keys("not json") == _extra_keys("[1]") == _extra_keys(None) == {}
 
 
 def test_setup_tensorflow_rejects_bad_requests_before_importing_tensorflow() -> None:
@@ -126,7 +133,16 @@ def test_keras_fit_works_with_legacy_keras(local_run) -> None:
 
 
 @pytest.mark.slow
-def test_setup_after_tensorflow_ran_ops_explains_the_ordering(tmp_path) -> None:
+def test_parameter_server_job_coordinates_from_the_chief(local_run) -> None:
+    run = local_run("--workers", "2", "--ps", "1", "--", "tf_train.py", "ps", timeout=180)
+    assert run.returncode == 0, run.output
+    assert list(run.results()) == ["chief"]  # the worker and the ps serve until they are shut down
+    result = run.results()["chief"]
+    assert result["strategy"].startswith("ParameterServerStrategy") and result["value"] == 4.0
+
+
+@pytest.mark.slow
+def test_setup_after_tensorflow_ran_ops_explains_the_ordering_and_keras(tmp_path) -> None:
     tf_config_value = json.dumps(
         {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}
     )
@@ -137,7 +153,11 @@ def test_setup_after_tensorflow_ran_ops_explains_the_ordering(tmp_path) -> None:
         env={"TF_CONFIG": tf_config_value},
     )
     assert run.returncode == 0, run.output
-    assert "must run before TensorFlow executes its first op" in run.records()[0]["error"]
+    (record,) = run.records()
+    assert "must run before TensorFlow executes its first op" in record["error"]
+    assert "tf.keras was already used and resolved to Keras 3" in record["keras_error"]
+    assert record["default"] == "_DefaultDistributionStrategy"  # a single process needs no setup order
+    assert record["gpus"] == [0, 0]
 
 
 @pytest.mark.slow

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from vertexrt.distributed import Cluster, init_torch, spawn
 from vertexrt.distributed.torch import child_environment
 from vertexrt.errors import ConfigError
+
+from .conftest import SCRIPTS
 
 
 def check_all_reduce(records: list[dict], world_size: int) -> None:
@@ -54,6 +58,25 @@ def test_spawn_two_processes_per_node(local_run) -> None:
         (1, "chief", "torchrun"),
         (2, "worker", "torchrun"),
         (3, "worker", "torchrun"),
+    }
+
+
+@pytest.mark.slow
+def test_torchrun_on_each_node_as_documented_for_vertex(local_run) -> None:
+    torchrun = (
+        'exec "$0" -m torch.distributed.run --nnodes="$WORLD_SIZE" --node-rank="$RANK" '
+        '--master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" --nproc-per-node=2 "$1"'
+    )
+    script = str(SCRIPTS / "torch_allreduce.py")
+    run = local_run("--workers", "2", "--", "sh", "-c", torchrun, sys.executable, script, timeout=180)
+    assert run.returncode == 0, run.output
+    records = run.records()
+    check_all_reduce(records, 4)
+    assert {(r["rank"], r["role"], r["node_rank"], r["source"]) for r in records} == {
+        (0, "chief", 0, "torchrun"),
+        (1, "chief", 0, "torchrun"),
+        (2, "worker", 1, "torchrun"),
+        (3, "worker", 1, "torchrun"),
     }
 
 

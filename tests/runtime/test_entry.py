@@ -121,6 +121,24 @@ def test_vertex_log_format_is_json_lines_unless_asked(
     assert "[workerpool0-0 r0] INFO user: hello" in capsys.readouterr().err
 
 
+def test_warns_when_a_vertex_job_exports_nothing(
+    vertex_env: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    vertex_env(base_output_dir=str(tmp_path / "base"))
+
+    @main
+    def train(ctx: Context) -> None:
+        pass
+
+    train()
+    assert "nothing was written to the model directory" in caplog.text
+    caplog.clear()
+    (tmp_path / "base" / "model").mkdir(parents=True)
+    (tmp_path / "base" / "model" / "model.pt").write_bytes(b"weights")
+    train()
+    assert "nothing was written" not in caplog.text
+
+
 SCRIPT = """
 import os, signal, sys
 from vertexrt.runtime import main

@@ -147,8 +147,30 @@ def test_data_without_state_resumes_by_skipping_seen_batches(
     assert code == 143
     second, _ = run(ListData, str(tmp_path / "b"), regression_data)
     assert first.seen + second.seen == reference.seen
-    assert "skipping 7 batches to resume mid-epoch" in caplog.text
+    assert "skipping 7 batches to resume" in caplog.text
     assert_same_training(reference, second)
+
+
+class WorkerData(Regression):
+    """A DataLoader with worker processes: the read position lives in the workers."""
+
+    def setup(self) -> None:
+        super().setup()
+        reader = self.train_data.dataset
+        self.train_data = DataLoader(reader, batch_size=4, collate_fn=collate, num_workers=2)
+
+
+def test_dataloader_workers_resume_by_skipping_seen_batches(
+    runtime_env: Any, tmp_path: Any, regression_data: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    reference, _ = run(WorkerData, str(tmp_path / "a"), regression_data, max_epochs=2)
+    first, code = run(WorkerData, str(tmp_path / "b"), regression_data, preempt_at=14, max_epochs=2)
+    assert code == 143
+    second, _ = run(WorkerData, str(tmp_path / "b"), regression_data, max_epochs=2)
+    assert "_train_data" not in second.state()["local"]
+    assert "skipping 4 batches to resume" in caplog.text
+    assert first.seen + second.seen == reference.seen
+    assert sorted(reference.seen[:40]) == list(range(40))
 
 
 def test_max_steps_stops_mid_epoch_evaluates_and_saves_the_last_step(

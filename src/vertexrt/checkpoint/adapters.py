@@ -10,7 +10,6 @@ array over the bytes (a view of live memory when possible; ``owned`` says it is 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,9 +103,8 @@ def encode_pickle(value: Any) -> Encoded:
     return Encoded("pickle", {"type": _qualname(value)}, np.frombuffer(blob, dtype=np.uint8), True)
 
 
-def allocate(kind: str, meta: dict[str, Any], nbytes: int) -> tuple[Any, Callable[[], Any]]:
-    """A writable 1-D uint8 buffer of ``nbytes`` for a leaf, and a function turning it into the value."""
-    import numpy as np
+def value(kind: str, meta: dict[str, Any], buffer: Any) -> Any:
+    """The leaf's value over ``buffer`` (1-D uint8, possibly a view of a memory-mapped file)."""
 
     if kind == "torch":
         import torch
@@ -114,26 +112,20 @@ def allocate(kind: str, meta: dict[str, Any], nbytes: int) -> tuple[Any, Callabl
         dtype = getattr(torch, meta["dtype"], None)
         if not isinstance(dtype, torch.dtype):
             raise CheckpointError(f"unknown torch dtype {meta['dtype']!r}: upgrade torch to read it")
-        raw = torch.empty(nbytes, dtype=torch.uint8)
-        buffer = raw.numpy() if nbytes else _empty_bytes()
-        return buffer, lambda: raw.view(dtype).reshape(meta["shape"])
+        if len(buffer) == 0:
+            return torch.empty(meta["shape"], dtype=dtype)
+        if not buffer.flags.writeable:
+            buffer = buffer.copy()
+        return torch.from_numpy(buffer).view(dtype).reshape(meta["shape"])
     if kind in ("numpy", "tf"):
-        dtype = _numpy_dtype(meta["dtype"])
-        buffer = np.empty(nbytes, dtype=np.uint8)
-
-        def finish() -> Any:
-            arr = buffer.view(dtype).reshape(meta["shape"])
-            return arr[()] if meta.get("scalar") else arr
-
-        return buffer, finish
+        arr = buffer.view(_numpy_dtype(meta["dtype"])).reshape(meta["shape"])
+        return arr[()] if meta.get("scalar") else arr
     if kind == "bytes":
-        buffer = np.empty(nbytes, dtype=np.uint8)
-        return buffer, lambda: buffer.tobytes()
+        return buffer.tobytes()
     if kind == "pickle":
         import pickle
 
-        buffer = np.empty(nbytes, dtype=np.uint8)
-        return buffer, lambda: pickle.loads(buffer.tobytes())  # noqa: S301 - only with allow_pickle=True
+        return pickle.loads(buffer.tobytes())  # noqa: S301 - only with allow_pickle=True
     raise CheckpointError(f"unknown leaf kind {kind!r}: the checkpoint was written by a newer vertexrt")
 
 

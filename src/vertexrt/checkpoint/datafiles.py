@@ -39,15 +39,23 @@ def crc32c(data: Any) -> int:
     return int(google_crc32c.value(view))
 
 
+ALIGN = 64
+
+
 def part_name(prefix: str, index: int) -> str:
     return f"{prefix}.{index:05d}.bin"
 
 
 def plan(sizes: Sequence[int], part_size: int) -> list[list[tuple[int, int, int, int]]]:
-    """Per part, the ``(leaf, leaf_offset, part_offset, length)`` pieces that go into it, in order."""
+    """Per part, the ``(leaf, leaf_offset, part_offset, length)`` pieces that go into it, in order.
+
+    Every leaf starts at a multiple of ``ALIGN`` bytes of the stream, so leaves can be used in place from
+    a memory-mapped file; the gaps are zero bytes.
+    """
     parts: list[list[tuple[int, int, int, int]]] = []
     cursor = 0
     for leaf, size in enumerate(sizes):
+        cursor = -(-cursor // ALIGN) * ALIGN
         done = 0
         while done < size:
             part, offset = divmod(cursor, part_size)
@@ -76,15 +84,19 @@ def write(
         node["chunks"] = []
 
     def write_part(index: int) -> tuple[str, int, list[tuple[int, list[int]]]]:
-        pieces = layout[index]
-        views = [buffers[leaf][start : start + length] for leaf, start, _, length in pieces]
-        chunks = [
-            (leaf, [index, offset, length, crc32c(view)])
-            for (leaf, _, offset, length), view in zip(pieces, views, strict=True)
-        ]
+        import numpy as np
+
+        views, chunks, end = [], [], 0
+        for leaf, start, offset, length in layout[index]:
+            if offset > end:
+                views.append(np.zeros(offset - end, dtype=np.uint8))
+            view = buffers[leaf][start : start + length]
+            views.append(view)
+            chunks.append((leaf, [index, offset, length, crc32c(view)]))
+            end = offset + length
         name = part_name(prefix, index)
         store.write_file(store.join(directory, name), views)
-        return name, sum(len(v) for v in views), chunks
+        return name, end, chunks
 
     files: dict[str, int] = {}
     for name, size, chunks in _run(write_part, range(len(layout)), threads):
@@ -102,40 +114,57 @@ def read(
     prefix: str,
     files: dict[str, int],
     nodes: Sequence[dict[str, Any]],
-    buffers: Sequence[Any],
     *,
     threads: int,
-) -> None:
-    """Fill ``buffers`` from the part files and verify every chunk's CRC32C.
+    use_mmap: bool = False,
+) -> list[Any]:
+    """Each leaf's bytes (1-D uint8 arrays), every chunk's CRC32C verified.
+
+    With ``use_mmap`` (local disk), the part files are mapped copy-on-write and leaves that sit in one
+    part are returned as views of the mapping: no copy, and pages are only read once, by the checksum.
 
     Raises:
         CheckpointCorruptError: a missing or short file, or a checksum mismatch (names the file and range).
     """
-    by_part: dict[int, list[tuple[int, int, Any, int]]] = {}
-    for node, buffer in zip(nodes, buffers, strict=True):
+    import numpy as np
+
+    sizes = [sum(chunk[2] for chunk in node.get("chunks", [])) for node in nodes]
+    mapped: dict[int, Any] = {}
+    if use_mmap:
+        parts = sorted({chunk[0] for node in nodes for chunk in node.get("chunks", [])})
+        for part, array in zip(
+            parts,
+            _run(lambda p: _open_part(store, directory, prefix, files, p, True), parts, threads),
+            strict=True,
+        ):
+            mapped[part] = array
+    buffers: list[Any] = []
+    by_part: dict[int, list[tuple[int, int, Any, int, bool]]] = {}  # offset, length, view, crc, in place
+    for node, size in zip(nodes, sizes, strict=True):
+        chunks = node.get("chunks", [])
+        if len(chunks) == 1 and chunks[0][0] in mapped:
+            part, offset, length, crc = chunks[0]
+            buffer = mapped[part][offset : offset + length]
+            by_part.setdefault(part, []).append((offset, length, buffer, crc, True))
+            buffers.append(buffer)
+            continue
+        buffer = np.empty(size, dtype=np.uint8)
         start = 0
-        for part, offset, length, crc in node["chunks"]:
-            by_part.setdefault(part, []).append((offset, length, buffer[start : start + length], crc))
+        for part, offset, length, crc in chunks:
+            by_part.setdefault(part, []).append((offset, length, buffer[start : start + length], crc, False))
             start += length
-        if start != len(buffer):
-            raise CheckpointCorruptError(
-                f"a leaf's chunks cover {start} of {len(buffer)} bytes in {directory}"
-            )
+        buffers.append(buffer)
 
     def read_part(part: int) -> None:
-        name = part_name(prefix, part)
-        path = store.join(directory, name)
-        expected = files.get(name)
-        if expected is None:
-            raise CheckpointCorruptError(f"{path} is not listed in the manifest", file=path)
         pieces = sorted(by_part[part], key=lambda p: p[0])
-        try:
-            store.read_ranges(path, [(offset, view) for offset, _, view, _ in pieces], expected)
-        except FileNotFoundError:
-            raise CheckpointCorruptError(f"data file {path} is missing", file=path) from None
-        except EOFError as exc:
-            raise CheckpointCorruptError(f"data file {path} is truncated: {exc}", file=path) from None
-        for offset, length, view, crc in pieces:
+        path = store.join(directory, part_name(prefix, part))
+        if part in mapped:
+            for offset, length, view, _, in_place in pieces:
+                if not in_place:
+                    view[:] = mapped[part][offset : offset + length]
+        else:
+            _open_part(store, directory, prefix, files, part, False, [(p[0], p[2]) for p in pieces])
+        for offset, length, view, crc, _ in pieces:
             actual = crc32c(view)
             if actual != crc:
                 raise CheckpointCorruptError(
@@ -144,7 +173,33 @@ def read(
                     file=path,
                 )
 
-    list(_run(read_part, sorted(by_part), threads))
+    _run(read_part, sorted(by_part), threads)
+    return buffers
+
+
+def _open_part(
+    store: Store,
+    directory: str,
+    prefix: str,
+    files: dict[str, int],
+    part: int,
+    use_mmap: bool,
+    ranges: Sequence[tuple[int, Any]] = (),
+) -> Any:
+    name = part_name(prefix, part)
+    path = store.join(directory, name)
+    expected = files.get(name)
+    if expected is None:
+        raise CheckpointCorruptError(f"{path} is not listed in the manifest", file=path)
+    try:
+        if use_mmap:
+            return store.map(path, expected)
+        store.read_ranges(path, ranges, expected)
+        return None
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"data file {path} is missing", file=path) from None
+    except EOFError as exc:
+        raise CheckpointCorruptError(f"data file {path} is truncated: {exc}", file=path) from None
 
 
 def _run(fn: Any, items: Any, threads: int) -> list[Any]:

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import operator
 import sys
 import threading
 import time
@@ -135,7 +136,9 @@ class CheckpointManager:
 
         With ``target`` (a state tree of live objects), modules, optimizers, tensors, arrays, TF variables,
         Keras models and ``state_dict`` objects are loaded in place and the returned tree holds them; other
-        values are returned as read. All bytes are read and checksummed before anything is loaded.
+        values are returned as read. All bytes are read and checksummed before anything is loaded. On local
+        disk, returned tensors/arrays are views of a private copy-on-write memory map of the data files
+        (writable; writes never reach the checkpoint; valid after the step is deleted).
 
         A corrupt or incomplete step is skipped with a warning naming the file, and the previous committed
         step is tried (not when ``step`` is given: then the error is raised). ``shard`` (default: this rank
@@ -191,6 +194,9 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_finished_error()
+        if isinstance(step, bool) or not hasattr(step, "__index__") or operator.index(step) < 0:
+            raise ConfigError(f"save(step={step!r}): the step must be an integer >= 0")
+        step = operator.index(step)
         if not self._decide(step, force):
             return False
         self.wait()
@@ -479,27 +485,23 @@ class CheckpointManager:
         from vertexrt.checkpoint import adapters
 
         nodes = serialization.leaf_nodes(body["tree"])
-        buffers, finishers = [], {}
         for node in nodes:
             if node["t"] == "pickle" and not self.allow_pickle:
                 raise CheckpointError(
                     f"checkpoint step {step} holds a pickled {node.get('type')}; pass allow_pickle=True to "
                     "the CheckpointManager if you trust this checkpoint"
                 )
-            nbytes = sum(chunk[2] for chunk in node.get("chunks", []))
-            buffer, finish = adapters.allocate(node["t"], node, nbytes)
-            buffers.append(buffer)
-            finishers[id(node)] = finish
-        datafiles.read(
+        buffers = datafiles.read(
             self._strategy.store,
             self._strategy.step_dir(step),
             body["prefix"],
             body["files"],
             nodes,
-            buffers,
             threads=self._strategy.io_threads,
+            use_mmap=self._strategy.mmap_reads,
         )
-        values = lambda node: finishers[id(node)]()
+        by_node = {id(node): buffer for node, buffer in zip(nodes, buffers, strict=True)}
+        values = lambda node: adapters.value(node["t"], node, by_node[id(node)])
         if target is None:
             return serialization.decode(body["tree"], values)
         return serialization.decode(body["tree"], values, target)

@@ -144,11 +144,11 @@ class KeepBest(_KeepOr):
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> list[bool]:
         sign = 1.0 if self.mode == "min" else -1.0
-        scored = [
-            (sign * float(c.metrics[self.metric]), -c.step, i)
-            for i, c in enumerate(checkpoints)
-            if self.metric in c.metrics and not math.isnan(float(c.metrics[self.metric]))
-        ]
+        scored = []
+        for i, c in enumerate(checkpoints):
+            value = c.metrics.get(self.metric)
+            if isinstance(value, (int, float)) and not math.isnan(value):
+                scored.append((sign * float(value), -c.step, i))
         best = {i for _, _, i in sorted(scored)[: self.n]}
         return [i in best for i in range(len(checkpoints))]
 

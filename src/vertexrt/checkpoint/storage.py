@@ -66,6 +66,7 @@ class Store(Protocol):
     def write_atomic(self, path: str, data: bytes) -> None: ...
     def read_bytes(self, path: str) -> bytes: ...
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, Any]], expected_size: int) -> None: ...
+    def map(self, path: str, expected_size: int) -> Any: ...
     def listdir(self, path: str) -> list[Entry]: ...
     def exists(self, path: str) -> bool: ...
     def remove_tree(self, path: str) -> None: ...
@@ -109,6 +110,20 @@ class OsStore:
                     if not n:
                         raise EOFError(f"end of file at byte {offset + got}")
                     got += n
+
+    def map(self, path: str, expected_size: int) -> Any:
+        """The file as a 1-D uint8 array over a private (copy-on-write) memory map."""
+        import mmap
+
+        import numpy as np
+
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != expected_size:
+                raise EOFError(f"{size} bytes on disk, the manifest says {expected_size}")
+            if size == 0:
+                return np.empty(0, dtype=np.uint8)
+            return np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY), dtype=np.uint8)
 
     def listdir(self, path: str) -> list[Entry]:
         try:
@@ -164,6 +179,9 @@ class FsspecStore:
         for offset, view in ranges:
             view[:] = source[offset : offset + len(view)]
 
+    def map(self, path: str, expected_size: int) -> Any:
+        raise NotImplementedError("object stores are read, not memory-mapped")
+
     def listdir(self, path: str) -> list[Entry]:
         try:
             items = self.fs.ls(path, detail=True, refresh=True)
@@ -193,6 +211,7 @@ class Strategy:
     kind: str
     part_size: int
     io_threads: int
+    mmap_reads = False
 
     def __init__(self, store: Any, root: str, stale_after: float = 600.0) -> None:
         self.store = store
@@ -252,6 +271,7 @@ class RenameStrategy(Strategy):
     kind = "local"
     part_size = _LOCAL_PART_SIZE
     io_threads = 2
+    mmap_reads = True  # committed files are never modified in place, so mapped leaves stay valid
 
     def begin(self, step: int, token: str) -> str:
         path = os.path.join(self.root, f".tmp.{step_name(step)}.{token}")

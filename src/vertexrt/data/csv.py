@@ -9,6 +9,8 @@ Example:
 from __future__ import annotations
 
 import csv as _csv
+import io
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -16,6 +18,8 @@ from vertexrt.data._io import compression_for
 from vertexrt.data._lines import line_chunks, locate
 from vertexrt.data.formats import Errors, FileSource, Format
 from vertexrt.errors import DataError
+
+_BATCH = 1024
 
 
 class CSV(Format):
@@ -44,7 +48,7 @@ class CSV(Format):
 
     def read(
         self, source: FileSource, start: int, end: int | None, errors: Errors
-    ) -> Iterator[tuple[int, list[tuple[tuple[str, ...], str]]]]:
+    ) -> Iterator[tuple[int, list[tuple[tuple[str, ...], list[str]]]]]:
         compression = compression_for(source.uri, self.compression)
         header = None if start == 0 and self.columns is None else self.header(source)
         for pos, body in line_chunks(source.uri, compression, start, quoted=True):
@@ -52,16 +56,19 @@ class CSV(Format):
                 text = body.decode("utf-8")
             except UnicodeDecodeError as err:
                 raise DataError(f"{source.uri}: byte {pos + err.start} is not UTF-8 ({err.reason})") from None
-            lines = _records(text)
+            rows = filter(None, _csv.reader(io.StringIO(text, newline=""), delimiter=self.delimiter))
             if header is None:
-                if not lines:
+                first = next(rows, None)
+                if first is None:
                     continue
-                first = lines.pop(0)
-                first_bytes = first.encode("utf-8")
-                pos += body.find(first_bytes) + len(first_bytes) + 1
-                header = tuple(next(_csv.reader([first], delimiter=self.delimiter)))
-            if lines:
-                yield pos, [(header, row) for row in _csv.reader(lines, delimiter=self.delimiter)]
+                header = tuple(first)
+                blank = len(body) - len(body.lstrip(b"\r\n"))
+                end = body.find(b"\n", blank)  # header rows do not hold quoted newlines
+                pos += len(body) + 1 if end < 0 else end + 1
+            # Parsed lazily, a batch at a time from the same position: parsed rows are GC-tracked
+            # objects, and a whole read's worth alive at once makes the collector crawl.
+            while batch := [(header, row) for row in itertools.islice(rows, _BATCH)]:
+                yield pos, batch
 
     def header(self, source: FileSource) -> tuple[str, ...]:
         """The column names of ``source`` (its first record, or ``columns``)."""
@@ -69,21 +76,20 @@ class CSV(Format):
             return tuple(self.columns)
         compression = compression_for(source.uri, self.compression)
         for _, body in line_chunks(source.uri, compression, 0, quoted=True):
-            lines = _records(body.decode("utf-8", errors="replace"))
-            if lines:
-                return tuple(next(_csv.reader(lines[:1], delimiter=self.delimiter)))
+            text = body.decode("utf-8", errors="replace")
+            for row in _csv.reader(io.StringIO(text, newline=""), delimiter=self.delimiter):
+                if row:
+                    return tuple(row)
         raise DataError(f"{source.uri}: the CSV file is empty (no header row); pass CSV(columns=[...])")
 
     def decoder(self) -> Callable[[tuple[tuple[str, ...], list[str]]], dict[str, Any]]:
         types = list(self.types.items())
 
-        def decode(raw: tuple[tuple[str, ...], list[str]]) -> dict[str, Any]:
-            header, row = raw
-            if len(row) != len(header):
-                raise DataError(
-                    f"CSV row has {len(row)} columns, the header has {len(header)} ({list(header)})"
-                )
-            record: dict[str, Any] = dict(zip(header, row, strict=True))
+        def plain(raw: tuple[tuple[str, ...], list[str]]) -> dict[str, Any]:
+            return dict(zip(raw[0], raw[1], strict=True))  # a wrong column count raises ValueError
+
+        def typed(raw: tuple[tuple[str, ...], list[str]]) -> dict[str, Any]:
+            record: dict[str, Any] = dict(zip(raw[0], raw[1], strict=True))
             for name, convert in types:
                 value = record.get(name)
                 if value is not None:
@@ -95,7 +101,7 @@ class CSV(Format):
                         ) from None
             return record
 
-        return decode
+        return typed if types else plain
 
     def describe(
         self, raw: tuple[tuple[str, ...], list[str]], origins: list[tuple[FileSource, int]], error: Exception
@@ -106,25 +112,13 @@ class CSV(Format):
             parsed = next(_csv.reader([line.decode("utf-8", errors="replace")], delimiter=delimiter), [])
             return parsed == raw[1]
 
+        header, row = raw
+        if len(row) != len(header):
+            error = DataError(
+                f"CSV row has {len(row)} columns, the header has {len(header)} ({list(header)})"
+            )
         for source, position in origins:
             found = locate(source.uri, compression_for(source.uri, self.compression), position, same_row)
             if found is not None:
                 return f"{source.uri}:{found[0]} (byte {found[1]}): {error}"
         return f"{origins[0][0].uri}: row {raw[1]!r}: {error}"
-
-
-def _records(text: str) -> list[str]:
-    """Split text into CSV records: on newlines, re-joining lines that sit inside a quoted field."""
-    lines = text.split("\n")
-    if '"' in text:
-        merged: list[str] = []
-        open_quote = False
-        for line in lines:
-            if open_quote:
-                merged[-1] += "\n" + line
-            else:
-                merged.append(line)
-            if line.count('"') % 2:
-                open_quote = not open_quote
-        lines = merged
-    return [line for line in lines if line.strip()]

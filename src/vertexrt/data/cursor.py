@@ -1,8 +1,8 @@
 """The reader's position and the chunk stream that produces records from it.
 
-A :class:`Cursor` is O(1): the phase (own share / padding), the unit index, a position inside the unit (byte
-offset or row) plus a count of raw records to skip from there, the stream index ``g`` used by record
-striding, the shuffle block number, how many records of the current block were already consumed
+A :class:`Cursor` is O(1): the phase (own share / padding / done), the unit index, a position inside the
+unit (byte offset or row) plus a count of raw records to skip from there, the stream index ``g`` used by
+record striding, the shuffle block number, how many records of the current block were already consumed
 (``drop``), and how many records came before.
 
 Shuffling is a permutation of consecutive blocks of ``block_size`` kept records, seeded by
@@ -20,7 +20,7 @@ from vertexrt.data.formats import Errors, Format
 from vertexrt.data.sharding import Unit
 from vertexrt.errors import DataError
 
-OWN, PAD = 0, 1
+OWN, PAD, DONE = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -100,51 +100,50 @@ Kept = tuple[int, int, int, int, list[Any], Any]
 def _kept(
     spec: StreamSpec, units: list[Unit], stride: int, offset: int, start: Cursor, errors: Errors
 ) -> Iterator[Kept]:
-    """``(unit, chunk pos, first raw index, g at chunk pos, raws, source)``: raw ``j`` of the list sits at
-    raw index ``first + j * stride`` counted from chunk pos."""
+    """``(unit, pos, first, g at pos, raws, source)``: raw ``j`` of the list is raw number
+    ``first + j * stride`` counted from the read position ``pos`` (several chunks may share a position)."""
     fmt = spec.fmt
-    g = start.g
+    g = start.g  # stream index (or, in a record-range unit, file record index) of the next raw
     for ui in range(start.unit, len(units)):
         unit = units[ui]
         source = spec.sources[unit.source]
         resumed = ui == start.unit and start.pos is not None
-        if unit.records:  # records [unit.start, unit.end) of a file; g counts the file's raw records
+        ranged = unit.records  # records [unit.start, unit.end) of a file; g counts the file's records
+        if ranged:
             pos, skip, g = (start.pos, start.skip, start.g) if resumed else (0, unit.start, 0)
-            assert pos is not None and unit.end is not None
-            for cpos, raws in fmt.read(source, pos, None, errors):
-                n = len(raws)
-                if skip < n:
-                    k, skip = skip, 0
-                    picked = raws[k : min(n, unit.end - g)]
-                    if picked:
-                        yield ui, cpos, k, g, picked, source
-                else:
-                    skip -= n
-                g += n
-                if g >= unit.end:
-                    break
-            continue
-        pos = start.pos if resumed else unit.start
-        skip = start.skip if ui == start.unit else 0
+        else:
+            pos, skip = (start.pos if resumed else unit.start), (start.skip if ui == start.unit else 0)
         assert pos is not None
-        for cpos, raws in fmt.read(source, pos, unit.end, errors):
+        group_pos, group_g, base = -1, g, 0
+        for cpos, raws in fmt.read(source, pos, None if ranged else unit.end, errors):
+            if cpos != group_pos:
+                group_pos, group_g, base = cpos, g, 0
             n = len(raws)
             if skip >= n:
                 skip -= n
-                g += n
-                continue
-            k, skip = skip, 0
-            if stride > 1:
-                k += (offset - (g + k)) % stride
-            if k < n:
-                yield ui, cpos, k, g, (raws[k::stride] if stride > 1 else (raws[k:] if k else raws)), source
+            else:
+                k, skip = skip, 0
+                if ranged:
+                    assert unit.end is not None
+                    picked = raws[k : min(n, unit.end - g)]
+                else:
+                    if stride > 1:
+                        k += (offset - (g + k)) % stride
+                    picked = raws[k::stride] if stride > 1 else (raws[k:] if k else raws)
+                if picked:
+                    yield ui, cpos, base + k, group_g, picked, source
+            base += n
             g += n
+            if ranged and unit.end is not None and g >= unit.end:
+                break
 
 
 def chunks(spec: StreamSpec, cursor: Cursor, errors: Errors) -> Iterator[Chunk]:
     """The reader's chunks from ``cursor`` to the end of its epoch (own share, then padding if any)."""
     emitted = cursor.emitted
     target = spec.target
+    if cursor.phase == DONE:
+        return
     if cursor.phase == OWN:
         kept = _kept(spec, spec.units, spec.stride, spec.offset, cursor, errors)
         produced = (
@@ -189,7 +188,7 @@ def _shuffled(spec: StreamSpec, kept: Iterator[Kept], cursor: Cursor) -> Iterato
         order = np.random.default_rng([spec.seed, spec.epoch, spec.reader, spec.readers, block]).permutation(
             len(buf)
         )
-        records = [buf[i] for i in order.tolist()]
+        records = list(map(buf.__getitem__, order.tolist()))
         start = Cursor(OWN, head[0], head[1], head[2], head[3], block, drop, emitted)
         chunk = Chunk(records[drop:] if drop else records, start, stride, True, origins)
         emitted += len(buf)

@@ -64,7 +64,7 @@ class Dataset:
         equalize: Equalize | None = None,
         batch_size: int = 1,
         on_error: OnError = "raise",
-        prefetch: int = 2,
+        prefetch: int | None = None,
     ):
         if int(seed) < 0:
             raise ConfigError(f"seed={seed} must be >= 0")
@@ -78,7 +78,7 @@ class Dataset:
         self.block_size = int(shuffle_buffer) if shuffle and shuffle_buffer > 1 else 1
         self.equalize = equalize
         self.batch_size = int(batch_size)
-        self.prefetch = int(prefetch)
+        self.prefetch = _default_prefetch(sources) if prefetch is None else int(prefetch)
         self._errors = Errors(on_error)
         self._rank_arg = (rank, world_size)
         if rank is not None or world_size is not None:
@@ -91,6 +91,7 @@ class Dataset:
         self._readers: int | None = None
         self._live: tuple[Chunk, Iterator[Any]] | None = None
         self._token: object = None
+        self._fingerprint: str | None = None
 
     # -- public API ---------------------------------------------------------------------------------
     @property
@@ -222,6 +223,11 @@ class Dataset:
 
     def fingerprint(self) -> str:
         """A short hash of what the cursor's meaning depends on (data files, format, options)."""
+        if self._fingerprint is None:
+            self._fingerprint = self._compute_fingerprint()
+        return self._fingerprint
+
+    def _compute_fingerprint(self) -> str:
         if isinstance(self.sources, TableSource):
             data: Any = self.sources.table_id
         else:
@@ -344,7 +350,7 @@ def open_dataset(
     equalize: Equalize | None = None,
     batch_size: int = 1,
     on_error: OnError = "raise",
-    prefetch: int = 2,
+    prefetch: int | None = None,
     split: Literal["training", "validation", "test"] = "training",
 ) -> Dataset:
     """Open files or a BigQuery table as a sharded, shuffled, exactly-once, resumable record stream.
@@ -362,7 +368,9 @@ def open_dataset(
             a multiple of ``batch_size`` (unequal batch counts hang DDP). Counts every file's records once.
         on_error: ``"raise"`` a :class:`~vertexrt.errors.DataError` naming file and line/byte, or ``"skip"``
             bad records and count them in ``ds.skipped``.
-        prefetch: chunks read ahead by a background thread (0: read in the iterating thread).
+        prefetch: chunks read ahead by a background thread; default 2 for Cloud Storage (``gs://``,
+            ``/gcs/``) and BigQuery, 0 (read in the iterating thread) for local disk, where a second
+            Python thread only competes for the GIL.
         split: which ``AIP_*_DATA_URI`` to use when ``uri`` is None.
 
     Example:
@@ -412,6 +420,14 @@ def open_dataset(
         on_error=on_error,
         prefetch=prefetch,
     )
+
+
+def _default_prefetch(sources: Sequence[FileSource] | TableSource) -> int:
+    from vertexrt.paths import storage_kind
+
+    if isinstance(sources, TableSource) or any(storage_kind(s.uri) != "local" for s in sources):
+        return 2
+    return 0
 
 
 def validation_dataset(**kwargs: Any) -> Dataset:

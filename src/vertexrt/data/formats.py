@@ -54,7 +54,11 @@ class Format:
     def read(
         self, source: Any, start: int, end: int | None, errors: Errors
     ) -> Iterator[tuple[int, list[Any]]]:
-        """Chunks ``(position of raws[0], raws)`` from ``start`` (a position this format reported, or 0)."""
+        """Chunks ``(position, raws)`` from ``start`` (a position this format reported, or 0).
+
+        ``position`` is where ``raws[0]`` starts, or — when it repeats the previous chunk's position — the
+        chunk continues the previous one (a format may hand out one read in several batches).
+        """
         raise NotImplementedError
 
     def decoder(self) -> Callable[[Any], Any] | None:

@@ -3,7 +3,8 @@
 Each replica gets the environment Vertex would give it: ``CLUSTER_SPEC`` (always), and on multi-replica jobs
 ``TF_CONFIG``, ``MASTER_ADDR``/``MASTER_PORT`` and node-level ``WORLD_SIZE``/``RANK``; ``AIP_MODEL_DIR``,
 ``AIP_CHECKPOINT_DIR``, ``AIP_TENSORBOARD_LOG_DIR`` under ``--base-output-dir`` (trial-scoped with
-``--trial``); ``CLOUD_ML_JOB_ID``/``PROJECT_ID``/``REGION``/``TRIAL_ID``. Addresses are free loopback ports.
+``--trial``); ``CLOUD_ML_JOB_ID``/``PROJECT_ID``/``REGION``/``TRIAL_ID``. Addresses are free loopback
+ports. One variable Vertex does not set marks the simulation: ``VERTEXRT_LOCAL_RUN=1``.
 Output lines are prefixed by replica. The job succeeds when the chief exits 0, as Vertex judges a job; when
 the chief fails, or a worker does (Vertex would restart it; here the job fails with the worker's exit
 code), every replica is torn down (SIGTERM, ``--grace`` seconds, SIGKILL).
@@ -208,6 +209,7 @@ def replica_environments(job: JobSpec, base_env: Mapping[str, str], ports: Seque
     common = {k: v for k, v in base_env.items() if k not in SCRUBBED and not k.startswith(SCRUBBED_PREFIXES)}
     common.update(_job_variables(job))
     common.setdefault("PYTHONUNBUFFERED", "1")
+    common["VERTEXRT_LOCAL_RUN"] = "1"
     job_field = {"python_module": "", "package_uris": [], "job_args": job.command[1:]}
     replicas = []
     for pool, addresses in pools.items():
@@ -332,15 +334,20 @@ class Supervisor:
         return outcome, code
 
     def _start(self, replica: Replica) -> None:
-        proc = subprocess.Popen(
-            self.job.command,
-            env=replica.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        try:
+            proc = subprocess.Popen(
+                self.job.command,
+                env=replica.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as err:
+            raise ConfigError(
+                f"local-run: cannot start {self.job.command[0]!r} for {replica.label}: {err}"
+            ) from None
         running = _Running(replica, proc)
         os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
         self._selector.register(proc.stdout, selectors.EVENT_READ, running)  # type: ignore[arg-type]

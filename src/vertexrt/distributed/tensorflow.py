@@ -105,7 +105,7 @@ def setup_tensorflow(
             f"single {c.source} replica; use strategy='auto' or run under `vertexrt local-run --workers N`"
         )
     if config:
-        os.environ["TF_CONFIG"] = json.dumps(config)
+        os.environ["TF_CONFIG"] = json.dumps({**_extra_keys(os.environ.get("TF_CONFIG")), **config})
     import tensorflow as tf
 
     chosen = _choose(strategy, c, config, tf)
@@ -118,6 +118,15 @@ def setup_tensorflow(
     if chosen == "mirrored":
         return tf.distribute.MirroredStrategy()
     return tf.distribute.get_strategy()
+
+
+def _extra_keys(existing: str | None) -> dict[str, Any]:
+    """What an existing TF_CONFIG says beside cluster and task (``rpc_layer``, ``environment``...)."""
+    try:
+        doc = json.loads(existing or "{}")
+    except ValueError:
+        return {}
+    return {k: v for k, v in doc.items() if k not in ("cluster", "task")} if isinstance(doc, dict) else {}
 
 
 def _choose(strategy: str, c: Cluster, config: dict[str, Any], tf: Any) -> str:

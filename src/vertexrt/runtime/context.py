@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vertexrt.checkpoint.collective import any_rank, torch_dist
 from vertexrt.runtime.metrics import MetricsReporter
+from vertexrt.runtime.vote import StopVote
 
 if TYPE_CHECKING:
     from vertexrt.checkpoint import CheckpointManager, PreemptionNotice
@@ -53,6 +53,7 @@ class Context:
     metrics: MetricsReporter = field(default_factory=lambda: MetricsReporter(is_chief=True))
     _checkpoints: CheckpointManager | None = field(default=None, repr=False)
     _notice: PreemptionNotice | None = field(default=None, repr=False)
+    _vote: StopVote = field(default_factory=StopVote, repr=False)
     _preempted: bool = field(default=False, repr=False)
 
     @classmethod
@@ -99,12 +100,19 @@ class Context:
 
     @property
     def checkpoints(self) -> CheckpointManager:
-        """The checkpoint manager on ``env.checkpoint_dir`` (``AIP_CHECKPOINT_DIR``), created on first use."""
+        """The checkpoint manager on ``env.checkpoint_dir`` (``AIP_CHECKPOINT_DIR``), created on first use.
+
+        It saves every 10 minutes (``EveryNSeconds(600)``) and keeps the last 3; assign another manager to
+        change the policies, e.g. ``ctx.checkpoints = CheckpointManager(save_policy=EveryNSteps(500))``.
+        """
         if self._checkpoints is None:
-            from vertexrt.checkpoint import CheckpointManager
+            from vertexrt.checkpoint import CheckpointManager, EveryNSeconds
 
             self._checkpoints = CheckpointManager(
-                self.env.checkpoint_dir, rank=self.rank, world_size=self.world_size
+                self.env.checkpoint_dir,
+                save_policy=EveryNSeconds(600),
+                rank=self.rank,
+                world_size=self.world_size,
             )
         return self._checkpoints
 
@@ -127,19 +135,23 @@ class Context:
     def should_stop(self) -> bool:
         """True when a preemption notice (SIGTERM) arrived on any rank.
 
-        A collective when torch.distributed is up (an all-reduce MAX): call it at the same points on every
-        rank. Save a checkpoint and return from the training function when it is True; ``@main`` then
-        exits 143. Needs ``install_preemption_handler()`` (``@main`` calls it).
+        Under torch.distributed it is a collective (an all-reduce MAX run in the background, read at the
+        next call): call it at the same points on every rank; every rank then stops at the same call, one
+        call after the notice. Save a checkpoint and return from the training function when it is True;
+        ``@main`` then exits 143. Needs ``install_preemption_handler()`` (``@main`` calls it).
         """
-        if self._preempted:
-            return True
-        local = self._notice is not None and self._notice.requested
-        self._preempted = any_rank(local, torch_dist())
+        if not self._preempted:
+            self._preempted = self._vote(self._notice is not None and self._notice.requested)
         return self._preempted
 
-    def close(self) -> None:
-        """Finish the checkpoint save in flight and put the previous SIGTERM handler back."""
+    def close(self, *, drain: bool = True) -> None:
+        """Finish the checkpoint save in flight and put the previous SIGTERM handler back.
+
+        ``drain=False`` (after a failure) does not wait for the other ranks' last ``should_stop()``.
+        """
         try:
+            if drain:
+                self._vote.drain()
             if self._checkpoints is not None:
                 self._checkpoints.close()
         finally:

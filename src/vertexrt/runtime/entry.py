@@ -134,7 +134,7 @@ def _run(
 ) -> R:
     ctx = Context.create(framework)
     undo_logging = _setup_logging(ctx, log_level, log_all_ranks)
-    owns_process_group = False
+    owns_process_group = failed = False
     try:
         ctx.install_preemption_handler()  # before the slow parts: from now on a SIGTERM sets a flag
         if parser is not None:
@@ -153,26 +153,30 @@ def _run(
         except Preempted:
             result, ctx._preempted = None, True  # the Trainer saved the checkpoint before raising
         except Exception as err:
+            failed = True  # the other ranks may be stuck in a collective: tear down without waiting
             where = f"replica {ctx.replica} (rank {ctx.rank} of {ctx.world_size})"
             logger.error("%s failed: %s: %s", where, type(err).__name__, err)
             if hasattr(err, "add_note"):  # Python >= 3.11: shown under the traceback
                 err.add_note(f"vertexrt: raised on {where}")
             raise
-        if ctx._checkpoints is not None:
-            ctx._checkpoints.wait()
+        manager = ctx._checkpoints
+        if manager is not None:
+            manager.wait()
         if ctx.preempted:
             logger.warning(
                 "preempted: checkpoint saved in %s; exiting %d so the replica restarts and resumes",
-                ctx.env.checkpoint_dir,
+                manager.directory if manager is not None else ctx.env.checkpoint_dir,
                 PREEMPTED_EXIT_CODE,
             )
             raise Preempted()
+        if ctx.is_chief and ctx.env.on_vertex:
+            _warn_if_nothing_exported(ctx.env.model_dir)
         logger.info("done; model dir %s", ctx.env.model_dir)
         return cast(R, result)
     finally:
         try:
-            ctx.close()
-            if owns_process_group:
+            ctx.close(drain=not failed)
+            if owns_process_group and not failed:
                 _destroy_process_group()
         finally:
             undo_logging()
@@ -188,6 +192,24 @@ def _setup_logging(ctx: Context, level: int | str, all_ranks: bool) -> Callable[
         all_ranks=all_ranks,
         labels={"trial": ctx.env.trial_id} if ctx.env.trial_id else None,
     )
+
+
+def _warn_if_nothing_exported(model_dir: str) -> None:
+    """A job whose model dir stays empty usually saved its model on the container's disk, which is lost."""
+    from vertexrt import paths
+
+    try:
+        fs, path = paths.filesystem(model_dir)
+        empty = not fs.exists(path) or not fs.ls(path)
+    except Exception as err:  # a listing problem must not fail a finished job
+        logger.debug("could not list %s: %s", model_dir, err)
+        return
+    if empty:
+        logger.warning(
+            "nothing was written to the model directory %s (AIP_MODEL_DIR): files saved elsewhere in the "
+            "container are lost when the job ends; write the model there (Trainer.export gets this path)",
+            model_dir,
+        )
 
 
 def _json_logs(ctx: Context) -> bool:

@@ -2,20 +2,26 @@
 
 Override ``setup()`` (build the model, optimizer and ``self.train_data``), ``train_step(batch)``, and
 optionally ``evaluate()`` and ``export(model_dir)``. Attributes holding modules, optimizers, schedulers,
-data readers (anything with ``state_dict``) and random generators are checkpointed automatically.
+data readers (anything with ``state_dict``) and random generators are checkpointed automatically; list
+an attribute in ``untracked`` to leave it out (e.g. an evaluation reader that should start over).
 
 ``fit()`` restores the newest valid checkpoint (weights, optimizer, step and epoch, this rank's RNG and
-reader cursor), loops, saves by the checkpoint manager's policy, evaluates (each epoch, or every
+read position), loops, saves by the checkpoint manager's policy, evaluates (each epoch, or every
 ``eval_every`` steps) and reports the metrics to hypertune, shows progress, checks for preemption after
 every step and inside evaluation (``self.interruptible``), saves a final checkpoint, and exports to
 ``AIP_MODEL_DIR`` from the chief only.
+
+The read position is exact when ``train_data`` is a vertexrt reader, or a DataLoader over
+``reader.as_torch()`` without worker processes; otherwise a resume replays the epoch and skips the
+batches already trained on.
 
 Example:
     >>> class MyTrainer(vertexrt.Trainer):
     ...     def setup(self):
     ...         self.model = torch.nn.Linear(4, 2)
     ...         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
-    ...         self.train_data = vertexrt.data.open_dataset("gs://bucket/train-*.jsonl")
+    ...         reader = vertexrt.data.open_dataset("gs://bucket/train-*.jsonl", equalize="drop_remainder")
+    ...         self.train_data = DataLoader(reader.as_torch(), batch_size=32, collate_fn=collate)
     ...     def train_step(self, batch):
     ...         loss = ...
     ...         return {"loss": loss}
@@ -268,21 +274,25 @@ class Trainer(StateTracker):
         elif _cursor_of(data) is None:
             skip = loop.batch_in_epoch  # no reader state: replay the epoch's order and drop what was seen
             _set_epoch(data, loop.epoch)
-            logger.warning("train_data has no state_dict(): skipping %d batches to resume mid-epoch", skip)
+            logger.warning("train_data has no read position to restore: skipping %d batches to resume", skip)
+        # Per-step work stays small: names bound once, one policy question and one preemption check.
         eval_every, max_steps, world = self.eval_every, self.max_steps, self.ctx.world_size
+        train_step, batch_size, should_stop = self.train_step, self.batch_size, self.should_stop
+        save, tree, shard = self.checkpoints.save, self._tree, self.ctx.rank if self._sharded else None
         for batch in _iterate(data, keep_rng=loop.batch_in_epoch > 0):
             if skip:
                 skip -= 1
                 continue
-            metrics = self.train_step(batch)
+            metrics = train_step(batch)
             loop.step += 1
             loop.batch_in_epoch += 1
-            progress.update(loop.step, self.batch_size(batch) * world, metrics)  # all ranks' samples
-            if self.should_stop():
+            progress.update(loop.step, batch_size(batch) * world, metrics)  # all ranks' samples
+            if should_stop():
                 self._save_and_exit()
             if max_steps is not None and loop.step >= max_steps:
                 return
-            self._save(force=False)
+            if save(loop.step, tree, loop.eval_metrics, shard=shard):  # when the save policy says so
+                self._saved = loop.state_dict()
             if eval_every is not None and loop.step % eval_every == 0:
                 self._evaluate()
         steps_in_epoch = loop.batch_in_epoch
@@ -341,11 +351,16 @@ def _set_epoch(data: Any, epoch: int) -> None:
 
 
 def _cursor_of(data: Any) -> Any:
-    """The object holding the read position of ``data``: itself, or a DataLoader's dataset, or None."""
-    for target in (data, getattr(data, "dataset", None)):
-        if target is not None and as_stateful(target) is not None:
-            return target
-    return None
+    """What holds the read position of ``data``: itself, a DataLoader's dataset, or None.
+
+    A DataLoader with worker processes reads in the workers: its dataset's position in this process never
+    moves, so it counts as none (resuming then replays the epoch's order and skips what was seen).
+    """
+    if as_stateful(data) is not None:
+        return data
+    dataset = getattr(data, "dataset", None)
+    workers = int(getattr(data, "num_workers", 0) or 0)
+    return None if dataset is None or workers > 0 or as_stateful(dataset) is None else dataset
 
 
 def _is_per_rank(value: Any) -> bool:

@@ -7,15 +7,29 @@ import sys
 import time
 from pathlib import Path
 
-from vertexrt.distributed import cluster
-
 mode = sys.argv[1]
+if mode == "preempt":  # before anything slow, so the launcher's SIGTERM always finds the handler
+    signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM, saving", flush=True), sys.exit(143)))
+
+from vertexrt.distributed import cluster  # noqa: E402
+
 me = cluster()
 name = me.role if me.role == "chief" else f"{me.role}-{me.task_index}"
+shared = Path(os.environ["AIP_CHECKPOINT_DIR"])
+shared.mkdir(parents=True, exist_ok=True)
 
 
-def ignore_sigterm() -> None:
+def ignore_sigterm_and_sleep() -> None:
     signal.signal(signal.SIGTERM, lambda *_: print("ignoring SIGTERM", flush=True))
+    (shared / f"{name}.ready").touch()
+    time.sleep(60)
+
+
+def wait_for_workers() -> None:
+    """Until every worker ignores SIGTERM (so the teardown has to escalate)."""
+    deadline = time.monotonic() + 60
+    while len(list(shared.glob("worker-*.ready"))) < me.num_nodes - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 if mode == "env":
@@ -38,32 +52,26 @@ if mode == "env":
     record = {k: os.environ.get(k) for k in keys}
     record["cluster"] = {"rank": me.rank, "world_size": me.world_size, "role": me.role, "trial": me.trial_id}
     print("RESULT " + json.dumps(record), flush=True)
-elif mode == "fail_chief":
-    if me.role == "chief":
-        time.sleep(0.5)
-        sys.exit(int(sys.argv[2]))
-    ignore_sigterm()
-    time.sleep(60)
+elif mode in ("fail_chief", "chief_done"):
+    if me.role != "chief":
+        ignore_sigterm_and_sleep()
+    wait_for_workers()
+    sys.exit(int(sys.argv[2]) if mode == "fail_chief" else 0)
 elif mode == "fail_worker":
     if me.role == "worker":
-        time.sleep(0.3)
         sys.exit(int(sys.argv[2]))
     time.sleep(60)
-elif mode == "chief_done":
-    if me.role != "chief":
-        ignore_sigterm()
-        time.sleep(60)
 elif mode == "preempt":
-    attempts = Path(os.environ["AIP_CHECKPOINT_DIR"]) / f"{name}.attempts"
-    attempts.parent.mkdir(parents=True, exist_ok=True)
+    attempts = shared / f"{name}.attempts"
     with attempts.open("a") as f:
         f.write("x")
     count = len(attempts.read_text())
     if count == 1:
-        signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM, saving", flush=True), sys.exit(143)))
+        print("waiting to be preempted", flush=True)
         time.sleep(60)
     print("RESULT " + json.dumps({"attempt": count}), flush=True)
 elif mode == "sleep":
+    print("sleeping", flush=True)
     time.sleep(60)
 else:
     sys.exit(f"unknown mode {mode}")

@@ -1,4 +1,4 @@
-"""TensorFlow multi-worker checks; one mode per run: ctl, fit_legacy, hang_chief, after_ops."""
+"""TensorFlow multi-worker checks; one mode per run: ctl, fit_legacy, ps, hang_chief, after_ops."""
 
 import json
 import os
@@ -22,13 +22,43 @@ if mode == "hang_chief":
 if mode == "after_ops":
     import tensorflow as tf
 
+    from vertexrt.distributed import Cluster
+
     tf.constant(1.0) + 1.0
+    from vertexrt import devices
+
+    record = {"default": type(setup_tensorflow(cluster=Cluster(source="local"))).__name__}
+    record["gpus"] = [len(devices.gpu_inventory()), devices.tf_memory_growth()]  # TF's inventory; no GPU here
     try:
-        setup_tensorflow()
+        setup_tensorflow()  # TF_CONFIG names two workers, but ops already ran
     except ConfigError as err:
-        print("RESULT " + json.dumps({"error": str(err)}), flush=True)
-        sys.exit(0)
-    sys.exit(4)
+        record["error"] = str(err)
+    tf.keras.layers.Dense  # noqa: B018  # tf.keras is now Keras 3
+    try:
+        setup_tensorflow(cluster=Cluster(source="local"), legacy_keras=True)
+    except ConfigError as err:
+        record["keras_error"] = str(err)
+    print("RESULT " + json.dumps(record), flush=True)
+    sys.exit(0)
+
+if mode == "ps":
+    strategy = setup_tensorflow(legacy_keras=False)  # ps and worker tasks serve here and never return
+    import tensorflow as tf
+
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        counter = tf.Variable(0.0)
+
+    @tf.function
+    def increment() -> None:
+        counter.assign_add(1.0)
+
+    for _ in range(4):
+        coordinator.schedule(increment)
+    coordinator.join()
+    record = {"strategy": type(strategy).__name__, "value": float(counter.numpy()), "role": cluster().role}
+    print("RESULT " + json.dumps(record), flush=True)
+    sys.exit(0)
 
 strategy = setup_tensorflow(legacy_keras=True if mode == "fit_legacy" else None)
 

@@ -1,0 +1,41 @@
+"""StopVote: two real gloo processes stop at the same check, one check after one of them was notified."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+from vertexrt.runtime.vote import StopVote
+
+
+def _vote_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    vote = StopVote()
+    answers = [vote(rank == 1 and call == 5) for call in range(10)]  # rank 1 is notified at call 5
+    vote.drain()
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}").write_text(" ".join("1" if a else "0" for a in answers))
+
+
+@pytest.mark.slow
+def test_every_rank_stops_at_the_same_call(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_vote_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    expected = "0 0 0 0 0 0 1 1 1 1"
+    assert (tmp_path / "rank0").read_text() == expected
+    assert (tmp_path / "rank1").read_text() == expected
+
+
+def test_without_a_process_group_the_local_flag_is_the_answer() -> None:
+    vote = StopVote()
+    assert vote(False) is False
+    assert vote(True) is True
+    assert vote(False) is True  # it stays stopped
+    vote.drain()
