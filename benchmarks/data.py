@@ -31,7 +31,7 @@ from vertexrt.data import TFRecord, TFRecordWriter, open_dataset  # noqa: E402
 from vertexrt.data.formats import Errors, FileSource  # noqa: E402
 
 REPEATS = 5
-ROWS: list[tuple[str, str, float, float, float, float]] = []
+ROWS: list[tuple[str, str, float, float, float, float, float]] = []
 
 
 def row(case: str, baseline: str, base: Callable[[], int], ours: Callable[[], int], nbytes: int) -> None:
@@ -47,7 +47,8 @@ def row(case: str, baseline: str, base: Callable[[], int], ours: Callable[[], in
         our_times.append(time.perf_counter() - start)
     assert base_n == n, f"{case}: baseline read {base_n} records, vertexrt {n}"
     base_s, ours_s = statistics.median(base_times), statistics.median(our_times)
-    ROWS.append((case, baseline, n / base_s, n / ours_s, nbytes / ours_s / 1e6, base_s / ours_s))
+    best = min(base_times) / min(our_times)  # best-of ratio: what the code does when the machine lets it
+    ROWS.append((case, baseline, n / base_s, n / ours_s, nbytes / ours_s / 1e6, base_s / ours_s, best))
     print(f"  {case}: {n / ours_s:,.0f} rec/s (baseline {n / base_s:,.0f})", file=sys.stderr, flush=True)
 
 
@@ -130,8 +131,12 @@ def local_cases(files: dict[str, tuple[str, int, int]]) -> None:
     )
     row("TFRecord 1KiB, local, shuffled", "tf.data .batch(1024)", batched, reader(path, shuffle=True), size)
 
-    def framing() -> int:
-        return sum(len(raws) for _, raws in TFRecord().read(FileSource(path, size), 0, None, Errors()))
+    def framing() -> int:  # the same framing loop, records handed out one by one, no plan or cursor
+        n = 0
+        for _, raws in TFRecord().read(FileSource(path, size), 0, None, Errors()):
+            for _record in raws:
+                n += 1
+        return n
 
     def with_state_dicts() -> int:
         ds = open_dataset(path, shuffle=False, prefetch=0, rank=0, world_size=1)
@@ -255,14 +260,14 @@ def main() -> None:
         files = make_files(root, args.scale)
         local_cases(files)
         gcs_cases(files, root, args.scale)
-    print(
-        f"\nvertexrt.data benchmark (median of {REPEATS}, alternating; ratio = vertexrt / baseline rec/s)\n"
-    )
-    header = f"{'case':44} {'baseline':34} {'base rec/s':>12} {'vertexrt rec/s':>15} {'MB/s':>8} {'ratio':>6}"
+    print(f"\nvertexrt.data benchmark: median of {REPEATS} runs, baseline and vertexrt alternating")
+    print("ratio = vertexrt rec/s / baseline rec/s (median); best = the same from the best run of each\n")
+    columns = ("case", "baseline", "base rec/s", "vertexrt rec/s", "MB/s", "ratio", "best")
+    header = "{:44} {:34} {:>12} {:>15} {:>8} {:>6} {:>6}".format(*columns)
     print(header)
     print("-" * len(header))
-    for case, baseline, base, ours, mbs, ratio in ROWS:
-        print(f"{case:44} {baseline:34} {base:12,.0f} {ours:15,.0f} {mbs:8.1f} {ratio:6.2f}")
+    for case, baseline, base, ours, mbs, ratio, best in ROWS:
+        print(f"{case:44} {baseline:34} {base:12,.0f} {ours:15,.0f} {mbs:8.1f} {ratio:6.2f} {best:6.2f}")
 
 
 if __name__ == "__main__":

@@ -92,3 +92,18 @@ def test_the_fake_answers_queries_through_the_real_client(bigquery: FakeBigQuery
     assert [dict(r.items()) for r in rows] == [{"id": i, "name": f"n{i}"} for i in range(3)]
     job = client.query("SELECT * FROM `proj-1.ds.training` LIMIT 1201")
     assert [r["id"] for r in job.result(page_size=600)] == list(range(1201))
+
+
+@pytest.mark.timeout(90)  # without BigQuery(timeout=...) the client would retry for 10 minutes
+def test_unreachable_endpoint_fails_within_the_timeout(monkeypatch) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again: nothing listens there
+    monkeypatch.setenv("BIGQUERY_EMULATOR_HOST", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "proj-1")
+    monkeypatch.delenv("CLOUD_ML_PROJECT_ID", raising=False)
+    ds = open_dataset("bq://proj-1.ds.training", format=BigQuery(timeout=2), rank=0, world_size=1)
+    with pytest.raises(DataError, match=r"bq://proj-1\.ds\.training: cannot read the table"):
+        list(ds)

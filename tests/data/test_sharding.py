@@ -83,6 +83,7 @@ def test_shuffle_changes_with_epoch_and_seed_and_is_deterministic(tmp_path, id_f
 def test_iterating_again_moves_to_the_next_epoch(tmp_path, id_files) -> None:
     id_files(str(tmp_path))
     ds = open_dataset(f"{tmp_path}/part-*.jsonl", seed=3, rank=0, world_size=1)
+    assert ds.count() == TOTAL and len(ds.files) == 7
     first = [r["id"] for r in ds]
     assert ds.epoch == 1
     second = [r["id"] for r in ds]

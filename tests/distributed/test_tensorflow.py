@@ -4,13 +4,15 @@ finding, the ordering error, and a worker whose peer never comes."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from vertexrt.distributed import Cluster, cluster, setup_tensorflow, tf_config
-from vertexrt.distributed.tensorflow import _extra_keys
+from vertexrt.distributed.tensorflow import KERAS_ADVICE, _choose, _extra_keys, _steer_keras, keras_flavour
 from vertexrt.errors import ClusterSpecError, ConfigError
 
 from .conftest import SCRIPTS, run_tree
@@ -71,6 +73,53 @@ def test_rewriting_tf_config_keeps_what_it_does_not_own() -> None:
     existing = json.dumps({"cluster": {}, "task": {}, "rpc_layer": "grpc", "environment": "cloud"})
     assert _extra_keys(existing) == {"rpc_layer": "grpc", "environment": "cloud"}
     assert _extra_keys("not json") == _extra_keys("[1]") == _extra_keys(None) == {}
+
+
+class FakeTF:
+    """Just what strategy choice and Keras steering look at: ``tf.config`` GPUs and ``tf.keras``."""
+
+    __version__ = "2.21.0"
+
+    def __init__(self, gpus: int = 0, keras: object = None) -> None:
+        self.config = SimpleNamespace(list_physical_devices=lambda kind: ["gpu"] * gpus)
+        if keras is not None:
+            self.keras = keras
+
+
+def test_auto_strategy_follows_the_cluster() -> None:
+    workers = vertex(
+        {"workerpool0": POOLS["workerpool0"], "workerpool1": POOLS["workerpool1"]}, "workerpool1"
+    )
+    with_ps = vertex(POOLS, "workerpool0")
+    single = Cluster(source="local")
+    assert _choose("auto", workers, tf_config(workers), FakeTF()) == "multi_worker_mirrored"
+    assert _choose("auto", with_ps, tf_config(with_ps), FakeTF()) == "parameter_server"
+    assert _choose("auto", vertex(POOLS, "workerpool3"), {}, FakeTF()) == "default"
+    assert _choose("auto", single, {}, FakeTF(gpus=2)) == "mirrored"
+    assert _choose("auto", single, {}, FakeTF(gpus=1)) == "default"
+    assert _choose("mirrored", workers, tf_config(workers), FakeTF()) == "mirrored"
+
+
+def test_keras_steering(monkeypatch, caplog) -> None:
+    unresolved = SimpleNamespace(_tfll_initialized=False)
+    keras_3 = SimpleNamespace(__name__="keras._tf_keras.keras")
+    legacy = SimpleNamespace(__name__="tf_keras.api._v2.keras")
+    assert keras_flavour(FakeTF(keras=unresolved)) == "unresolved"
+    assert keras_flavour(FakeTF(keras=keras_3)) == "keras_3"
+    assert keras_flavour(FakeTF(keras=legacy)) == "tf_keras"
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "")  # not requested; restored after the test
+    with caplog.at_level("WARNING", logger="vertexrt.distributed.tensorflow"):
+        _steer_keras(FakeTF(keras=unresolved), "multi_worker_mirrored", None)
+        _steer_keras(FakeTF(keras=keras_3), "default", None)  # not multi-worker: nothing to say
+        _steer_keras(FakeTF(keras=keras_3), "multi_worker_mirrored", False)  # the user chose Keras 3
+    assert [r.getMessage() for r in caplog.records] == [KERAS_ADVICE]
+    with pytest.raises(ConfigError, match="already used and resolved to Keras 3"):
+        _steer_keras(FakeTF(keras=keras_3), "multi_worker_mirrored", True)
+    _steer_keras(FakeTF(keras=unresolved), "multi_worker_mirrored", True)
+    assert os.environ["TF_USE_LEGACY_KERAS"] == "1"
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"pip install --no-deps tf-keras==2.21.0"):
+        _steer_keras(FakeTF(keras=unresolved), "multi_worker_mirrored", True)
 
 
 def test_setup_tensorflow_rejects_bad_requests_before_importing_tensorflow() -> None:

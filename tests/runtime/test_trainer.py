@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import vertexrt.data
+import vertexrt.data.torch
 from vertexrt import paths
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps
 from vertexrt.errors import ConfigError
@@ -173,6 +174,29 @@ def test_dataloader_workers_resume_by_skipping_seen_batches(
     assert sorted(reference.seen[:40]) == list(range(40))
 
 
+class VertexrtLoader(Regression):
+    """vertexrt's DataLoader: an exact read position with worker processes."""
+
+    def setup(self) -> None:
+        super().setup()
+        reader = self.train_data.dataset.dataset
+        self.train_data = vertexrt.data.torch.DataLoader(
+            reader, batch_size=4, collate_fn=collate, num_workers=2
+        )
+
+
+def test_vertexrt_dataloader_with_workers_resumes_exactly(
+    runtime_env: Any, tmp_path: Any, regression_data: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    reference, _ = run(VertexrtLoader, str(tmp_path / "a"), regression_data, max_epochs=2)
+    first, code = run(VertexrtLoader, str(tmp_path / "b"), regression_data, preempt_at=14, max_epochs=2)
+    assert code == 143
+    second, _ = run(VertexrtLoader, str(tmp_path / "b"), regression_data, max_epochs=2)
+    assert "train_data" in second.state()["local"] and "skipping" not in caplog.text
+    assert first.seen + second.seen == reference.seen
+    assert_same_training(reference, second)
+
+
 def test_max_steps_stops_mid_epoch_evaluates_and_saves_the_last_step(
     runtime_env: Any, tmp_path: Any, regression_data: str
 ) -> None:
@@ -181,6 +205,19 @@ def test_max_steps_stops_mid_epoch_evaluates_and_saves_the_last_step(
     assert CheckpointManager(str(tmp_path / "a" / "ckpt")).latest_step() == 7
     again, _ = run(Regression, str(tmp_path / "a"), regression_data, max_steps=7)  # a restart after the end
     assert again.seen == [] and again.evaluations == []
+
+
+def test_fit_installs_the_sigterm_handler_itself_without_main(
+    runtime_env: Any, tmp_path: Any, regression_data: str
+) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    ctx = Context.create()
+    ctx.checkpoints = CheckpointManager(str(tmp_path / "ckpt"), save_policy=EveryNSteps(100))
+    with pytest.raises(Preempted) as stop:
+        Regression(ctx, regression_data, preempt_at=4).fit()
+    assert stop.value.code == 143 and ctx.checkpoints.latest_step() == 4
+    assert signal.getsignal(signal.SIGTERM) is before
+    ctx.close()
 
 
 def test_metrics_go_to_hypertune_and_fit_returns_the_last_ones(

@@ -1,8 +1,9 @@
 """Leaf bytes <-> a few large data files, written and read in parallel, with a CRC32C per chunk.
 
-The leaves are laid end to end in one logical stream cut into parts of ``part_size`` bytes; part ``i`` is
-file ``<prefix>.<i:05d>.bin``. A leaf crossing a part boundary becomes two chunks. Each leaf node gets
-``"chunks": [[part, offset, length, crc32c], ...]``; the manifest lists the files with their sizes.
+The leaves are laid end to end (each 64-byte aligned) in one logical stream cut into parts of
+``part_size`` bytes; part ``i`` is file ``<prefix>.<i:05d>.bin``. A leaf crossing a part boundary becomes
+two chunks. Each leaf node gets ``"chunks": [[part, offset, length, crc32c], ...]``; the manifest lists
+the files with their sizes.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from vertexrt.data.parquet import Parquet
     from vertexrt.data.prefetch import Prefetcher
     from vertexrt.data.tfrecord import TFRecord, TFRecordWriter
+    from vertexrt.data.torch import DataLoader
 
 _EXPORTS = {
     "open_dataset": "vertexrt.data.dataset",
@@ -37,12 +38,14 @@ _EXPORTS = {
     "decode_example": "vertexrt.data.example",
     "encode_example": "vertexrt.data.example",
     "Prefetcher": "vertexrt.data.prefetch",
+    "DataLoader": "vertexrt.data.torch",
 }
 
 __all__ = [
     "CSV",
     "JSONL",
     "BigQuery",
+    "DataLoader",
     "Dataset",
     "Parquet",
     "Prefetcher",

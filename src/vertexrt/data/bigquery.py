@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,20 +40,31 @@ class BigQuery(Format):
         columns: the columns to read (default all).
         page_size: rows per ``tabledata.list`` page.
         project: the project that runs (and is billed for) the reads; default the resolved job project.
+        timeout: seconds before an unreachable or failing BigQuery API call gives up (retries included).
     """
 
     name = "bigquery"
 
     def __init__(
-        self, columns: Sequence[str] | None = None, page_size: int = 10_000, project: str | None = None
+        self,
+        columns: Sequence[str] | None = None,
+        page_size: int = 10_000,
+        project: str | None = None,
+        timeout: float = 120.0,
     ):
         self.columns = list(columns) if columns is not None else None
         self.page_size = page_size
         self.project = project
+        self.timeout = timeout
+
+    def _retry(self) -> Any:
+        from google.cloud.bigquery.retry import DEFAULT_RETRY
+
+        return DEFAULT_RETRY.with_timeout(self.timeout)
 
     def _table(self, source: TableSource) -> Any:
         try:
-            return client(self.project).get_table(source.table_id)
+            return client(self.project).get_table(source.table_id, retry=self._retry(), timeout=self.timeout)
         except Exception as err:  # google.api_core exceptions: NotFound, Forbidden, BadRequest
             raise DataError(
                 f"bq://{source.table_id}: cannot read the table ({type(err).__name__}: {err}); "
@@ -78,12 +90,16 @@ class BigQuery(Format):
             start_index=start,
             max_results=stop - start,
             page_size=self.page_size,
+            retry=self._retry(),
+            timeout=self.timeout,
         )
         pos = start
         try:
             for page in rows.pages:
-                batch = [dict(row.items()) for row in page]
-                if batch:
+                page_rows = iter(page)
+                # Converted a slice at a time: dicts holding lists are GC-tracked, and a whole page of
+                # them alive at once makes the cyclic collector crawl.
+                while batch := [dict(row.items()) for row in itertools.islice(page_rows, 1024)]:
                     yield pos, batch
                     pos += len(batch)
         except Exception as err:

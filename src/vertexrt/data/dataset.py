@@ -397,12 +397,13 @@ def open_dataset(
         env_format = env.data_format
     fmt = _format(uri, format, env_format)
     sources: Sequence[FileSource] | TableSource
-    if fmt.name == "bigquery":
+    if fmt is not None and fmt.name == "bigquery":
         if not isinstance(uri, str):
             raise ConfigError("a BigQuery source is one table URI, not a list")
         sources = parse_table(uri)
     else:
         sources = expand_files(uri)
+        fmt = fmt or _guess(sources, uri)
         if sources and all(s.size == 0 for s in sources):
             raise DataError(
                 f"every file of {uri!r} is empty ({len(sources)} files): there is no data to read"
@@ -445,30 +446,25 @@ def test_dataset(**kwargs: Any) -> Dataset:
 test_dataset.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
 
 
-def _format(uri: str | Sequence[str], explicit: str | Format | None, env_format: str | None) -> Format:
+def _format(uri: str | Sequence[str], explicit: str | Format | None, env_format: str | None) -> Format | None:
+    """The format named by the caller, the URI (bq://, extension) or AIP_DATA_FORMAT; None: see the files."""
     if isinstance(explicit, Format):
         return explicit
     if explicit is not None:
         return format_named(explicit)
-    text = uri if isinstance(uri, str) else ",".join(uri)
     if isinstance(uri, str) and is_bigquery(uri):
         return format_named("bigquery")
     if env_format:
         return format_named(env_format)
-    first = text.split(",")[0].strip()
-    guessed = format_for_uri(first)
-    if guessed is None and not any(c in first for c in "*?["):
-        try:
-            files = expand_files(first)
-        except DataError:
-            files = []
-        guessed = format_for_uri(files[0].uri) if files else None
-    if guessed is None:
-        files = expand_files(text)
-        guessed = format_for_uri(files[0].uri) if files else None
+    first = (uri.split(",") if isinstance(uri, str) else list(uri))[0].strip()
+    return format_for_uri(first)
+
+
+def _guess(sources: Sequence[FileSource], uri: str | Sequence[str]) -> Format:
+    guessed = format_for_uri(sources[0].uri) if sources else None
     if guessed is None:
         raise ConfigError(
-            f"cannot tell the data format of {text!r} from its extension: pass format='jsonl' (or csv, "
+            f"cannot tell the data format of {uri!r} from its extension: pass format='jsonl' (or csv, "
             "tfrecord, parquet, bigquery) or set AIP_DATA_FORMAT"
         )
     return guessed

@@ -2,9 +2,11 @@
 
 Vertex starts one process per replica (VM) and sets node-level ``RANK``/``WORLD_SIZE``. :func:`init_torch`
 turns the cluster into a process group (global rank = node rank x processes per node + local rank);
-:func:`spawn` starts one process per GPU so no wrapper script is needed. ``torchrun`` works too:
-``torchrun --nnodes=$WORLD_SIZE --node-rank=$RANK --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT
---nproc-per-node=gpu train.py`` and ``init_torch()`` inside ``train.py``.
+:func:`spawn` starts one process per GPU so no wrapper script is needed. ``torchrun`` works too, with
+``init_torch()`` inside ``train.py`` (the defaults cover single-replica jobs, which get no ``MASTER_*``)::
+
+    torchrun --nnodes=${WORLD_SIZE:-1} --node-rank=${RANK:-0} --nproc-per-node=gpu
+             --master-addr=${MASTER_ADDR:-127.0.0.1} --master-port=${MASTER_PORT:-29500} train.py
 
 Example:
     >>> from vertexrt.distributed import init_torch

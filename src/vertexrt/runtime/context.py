@@ -125,12 +125,23 @@ class Context:
         """True once ``should_stop()`` has returned True."""
         return self._preempted
 
-    def install_preemption_handler(self) -> None:
-        """Make SIGTERM (Vertex's preemption notice) set a flag instead of killing the process."""
-        if self._notice is None:
-            from vertexrt.checkpoint import PreemptionNotice
+    def install_preemption_handler(self) -> bool:
+        """Make SIGTERM (Vertex's preemption notice) set a flag instead of killing the process.
 
-            self._notice = PreemptionNotice().install()
+        Returns False when it was already installed. Call it from the main thread.
+        """
+        if self._notice is not None:
+            return False
+        from vertexrt.checkpoint import PreemptionNotice
+
+        self._notice = PreemptionNotice().install()
+        return True
+
+    def uninstall_preemption_handler(self) -> None:
+        """Put the SIGTERM handler that was there before ``install_preemption_handler()`` back."""
+        if self._notice is not None:
+            self._notice.uninstall()
+            self._notice = None
 
     def should_stop(self) -> bool:
         """True when a preemption notice (SIGTERM) arrived on any rank.
@@ -155,6 +166,4 @@ class Context:
             if self._checkpoints is not None:
                 self._checkpoints.close()
         finally:
-            if self._notice is not None:
-                self._notice.uninstall()
-                self._notice = None
+            self.uninstall_preemption_handler()

@@ -19,18 +19,19 @@ Example:
 
 from __future__ import annotations
 
-import argparse
 import functools
-import inspect
 import logging
 import os
 import signal
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from vertexrt.errors import ConfigError
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.logs import setup_logging
+
+if TYPE_CHECKING:
+    import argparse
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ def main(
 
 
 def _takes_two_arguments(fn: Callable[..., Any]) -> bool:
+    import inspect
+
     params = [
         p
         for p in inspect.signature(fn).parameters.values()

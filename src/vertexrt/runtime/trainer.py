@@ -11,9 +11,9 @@ read position), loops, saves by the checkpoint manager's policy, evaluates (each
 every step and inside evaluation (``self.interruptible``), saves a final checkpoint, and exports to
 ``AIP_MODEL_DIR`` from the chief only.
 
-The read position is exact when ``train_data`` is a vertexrt reader, or a DataLoader over
-``reader.as_torch()`` without worker processes; otherwise a resume replays the epoch and skips the
-batches already trained on.
+The read position is exact when ``train_data`` is a vertexrt reader, a ``vertexrt.data.torch.DataLoader``
+(any ``num_workers``) or a torch DataLoader over ``reader.as_torch()`` without worker processes; otherwise
+a resume replays the epoch and skips the batches already trained on.
 
 Example:
     >>> class MyTrainer(vertexrt.Trainer):
@@ -21,7 +21,7 @@ Example:
     ...         self.model = torch.nn.Linear(4, 2)
     ...         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
     ...         reader = vertexrt.data.open_dataset("gs://bucket/train-*.jsonl", equalize="drop_remainder")
-    ...         self.train_data = DataLoader(reader.as_torch(), batch_size=32, collate_fn=collate)
+    ...         self.train_data = vertexrt.data.torch.DataLoader(reader, batch_size=32, num_workers=2)
     ...     def train_step(self, batch):
     ...         loss = ...
     ...         return {"loss": loss}
@@ -32,7 +32,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
+import types
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -186,7 +189,19 @@ class Trainer(StateTracker):
     # ---- the loop ----------------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
-        """Train to the end (or until preempted); return the last evaluation metrics."""
+        """Train to the end (or until preempted); return the last evaluation metrics.
+
+        Without ``@vertexrt.main`` it installs the SIGTERM handler itself for the duration of the call.
+        """
+        main_thread = threading.current_thread() is threading.main_thread()
+        installed = main_thread and self.ctx.install_preemption_handler()
+        try:
+            return self._fit()
+        finally:
+            if installed:
+                self.ctx.uninstall_preemption_handler()
+
+    def _fit(self) -> dict[str, float]:
         self.setup()
         data = self._train_data()
         self._sharded = self.ctx.world_size > 1
@@ -328,8 +343,13 @@ class Trainer(StateTracker):
 
 
 def _iterate(data: Iterable[T], *, keep_rng: bool) -> Iterator[T]:
-    """``iter(data)``; with ``keep_rng``, without moving the global RNGs (a DataLoader draws a seed from
-    torch's when its iterator starts: resuming mid-epoch must not draw one the original run drew earlier)."""
+    """``iter(data)``; with ``keep_rng``, starting it leaves the global RNGs where they are.
+
+    A torch DataLoader draws a seed from torch's generator when its iterator starts. Resuming mid-epoch,
+    the original run drew it at the epoch start, before the restored RNG state: drawing it again would
+    shift every later random number. A generator-based loader draws it at its first batch, so that batch
+    is fetched before the RNG state is put back.
+    """
     if not keep_rng:
         return iter(data)
     from vertexrt.checkpoint import rng_state
@@ -337,8 +357,10 @@ def _iterate(data: Iterable[T], *, keep_rng: bool) -> Iterator[T]:
     rng = rng_state()
     before = rng.state_dict()
     batches = iter(data)
+    lazy = isinstance(batches, types.GeneratorType)
+    started = list(itertools.islice(batches, 1)) if lazy else []
     rng.load_state_dict(before)
-    return batches
+    return itertools.chain(started, batches) if lazy else batches
 
 
 def _set_epoch(data: Any, epoch: int) -> None:
