@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "project_id": "vertexrt.env",
     "storage_options": "vertexrt.env",
     "bigquery_client": "vertexrt.env",
+    "open_dataset": "vertexrt.data",
+    "TFRecordWriter": "vertexrt.data",
 }
 
 _SUBMODULES = (
@@ -50,6 +52,7 @@ _SUBMODULES = (
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 if TYPE_CHECKING:
+    from vertexrt.data import TFRecordWriter, open_dataset  # noqa: F401
     from vertexrt.env import (  # noqa: F401
         Environment,
         bigquery_client,

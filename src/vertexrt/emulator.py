@@ -53,6 +53,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the child: ask Linux to SIGKILL the server when the process that started it dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() remains the way to end it
+
+
 class GCSServer:
     """A fake-gcs-server process on loopback; ``endpoint`` is what ``STORAGE_EMULATOR_HOST`` takes."""
 
@@ -68,7 +78,9 @@ class GCSServer:
         command = [find_binary(), "-scheme", "http", "-host", "127.0.0.1", "-port", str(self.port)]
         command += ["-backend", "memory", "-log-level", "error", "-external-url", self.endpoint]
         with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self._process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+            )
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -99,7 +99,7 @@ class BigQuery(Format):
                 page_rows = iter(page)
                 # Converted a slice at a time: dicts holding lists are GC-tracked, and a whole page of
                 # them alive at once makes the cyclic collector crawl.
-                while batch := [dict(row.items()) for row in itertools.islice(page_rows, 1024)]:
+                while batch := [dict(row.items()) for row in itertools.islice(page_rows, 256)]:
                     yield pos, batch
                     pos += len(batch)
         except Exception as err:

@@ -19,7 +19,7 @@ from vertexrt.data._lines import line_chunks, locate
 from vertexrt.data.formats import Errors, FileSource, Format
 from vertexrt.errors import DataError
 
-_BATCH = 1024
+_BATCH = 256
 
 
 class CSV(Format):
