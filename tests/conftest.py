@@ -75,6 +75,7 @@ def vertex_env(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> Callable[...
         trial: str | None = None,
         base_output_dir: str | None = None,
         workers: int = 0,
+        evaluators: int = 0,
         task: tuple[str, int] = ("workerpool0", 0),
         extra: dict[str, str] | None = None,
     ) -> dict[str, str]:
@@ -92,13 +93,17 @@ def vertex_env(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> Callable[...
             cluster["workerpool1"] = [
                 f"cmle-training-workerpool1-ab12cd34ef-{i}:2222" for i in range(workers)
             ]
+        if evaluators:
+            cluster["workerpool3"] = [
+                f"cmle-training-workerpool3-ab12cd34ef-{i}:2222" for i in range(evaluators)
+            ]
         task_entry = {"type": task[0], "index": task[1], "trial": trial or ""}
         variables["CLUSTER_SPEC"] = json.dumps(
             {"cluster": cluster, "environment": "cloud", "task": task_entry, "job": {}}
         )
         if workers:
-            tf_names = {"workerpool0": "chief", "workerpool1": "worker"}
-            tf_cluster = {tf_names[pool]: hosts for pool, hosts in cluster.items()}
+            tf_names = {"workerpool0": "chief", "workerpool1": "worker", "workerpool3": "evaluator"}
+            tf_cluster = {tf_names[pool]: hosts for pool, hosts in cluster.items() if pool != "workerpool3"}
             variables["TF_CONFIG"] = json.dumps(
                 {
                     "cluster": tf_cluster,
@@ -107,13 +112,13 @@ def vertex_env(monkeypatch: pytest.MonkeyPatch, clean_env: None) -> Callable[...
                     "job": {},
                 }
             )
-            rank = 0 if task[0] == "workerpool0" else task[1] + 1
             variables.update(
                 MASTER_ADDR=cluster["workerpool0"][0].split(":")[0],
                 MASTER_PORT="2222",
                 WORLD_SIZE=str(1 + workers),
-                RANK=str(rank),
             )
+            if task[0] in ("workerpool0", "workerpool1"):
+                variables["RANK"] = str(0 if task[0] == "workerpool0" else task[1] + 1)
         variables.update(extra or {})
         for name, value in variables.items():
             monkeypatch.setenv(name, value)

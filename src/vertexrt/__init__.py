@@ -30,6 +30,13 @@ _EXPORTS: dict[str, str] = {
     "project_id": "vertexrt.env",
     "storage_options": "vertexrt.env",
     "bigquery_client": "vertexrt.env",
+    "cluster": "vertexrt.distributed",
+    "Cluster": "vertexrt.distributed",
+    "world_info": "vertexrt.distributed",
+    "init_torch": "vertexrt.distributed",
+    "setup_tensorflow": "vertexrt.distributed",
+    "spawn": "vertexrt.distributed",
+    "tf_config": "vertexrt.distributed",
     "open_dataset": "vertexrt.data",
     "TFRecordWriter": "vertexrt.data",
 }
@@ -53,6 +60,15 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 if TYPE_CHECKING:
     from vertexrt.data import TFRecordWriter, open_dataset  # noqa: F401
+    from vertexrt.distributed import (  # noqa: F401
+        Cluster,
+        cluster,
+        init_torch,
+        setup_tensorflow,
+        spawn,
+        tf_config,
+        world_info,
+    )
     from vertexrt.env import (  # noqa: F401
         Environment,
         bigquery_client,

@@ -120,6 +120,14 @@ def test_default_topology_without_distributed_is_single_replica(tmp_path, id_fil
     assert open_dataset(f"{tmp_path}/part-*.jsonl").topology() == Topology(0, 1, 0, 1)
 
 
+def test_topology_follows_the_cluster_and_evaluators_read_everything(tmp_path, id_files, vertex_env) -> None:
+    id_files(str(tmp_path), [3])
+    vertex_env(workers=2, task=("workerpool1", 1))
+    assert open_dataset(f"{tmp_path}/part-*.jsonl").topology() == Topology(2, 3, 0, 1)
+    vertex_env(workers=2, evaluators=1, task=("workerpool3", 0))
+    assert open_dataset(f"{tmp_path}/part-*.jsonl").topology() == Topology(0, 1, 0, 1)
+
+
 def test_plan_helpers() -> None:
     units = [Unit(i) for i in range(7)]
     order = epoch_order(units, seed=0, epoch=0, shuffle=True)

@@ -75,17 +75,12 @@ def replica(rank: int | None = None, world_size: int | None = None) -> tuple[int
 
 
 def _detected_replica() -> tuple[int, int]:
-    if "torch.distributed" in sys.modules:
-        import torch.distributed as dist
+    from vertexrt.distributed import world_info
 
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    try:
-        from vertexrt.distributed import cluster
-    except ImportError:
+    info = world_info()
+    if info.rank < 0:  # an evaluator (or ps): outside the training world, it reads the whole dataset
         return 0, 1
-    info = cluster()
-    return int(info.rank), int(info.world_size)
+    return info.rank, info.world_size
 
 
 def dataloader_worker() -> tuple[int, int]:

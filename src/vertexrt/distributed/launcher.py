@@ -48,6 +48,8 @@ from vertexrt.errors import ConfigError
 
 #: Variables a replica must not inherit from the launching shell: the launcher sets its own.
 SCRUBBED_PREFIXES = ("AIP_", "CLOUD_ML_", "TORCHELASTIC_", "ROLE_")
+#: ... except these, which the user sets to capture a trial's hypertune reports where they want.
+KEPT = frozenset({"CLOUD_ML_HP_METRIC_FILE", "CLOUD_ML_HP_METRIC_TAG"})
 SCRUBBED = frozenset(
     {
         "CLUSTER_SPEC",
@@ -206,7 +208,11 @@ def replica_environments(job: JobSpec, base_env: Mapping[str, str], ports: Seque
         for n, a in pools.items()
         if n != "workerpool3" and not (n == "workerpool2" and job.reduction_servers)
     }
-    common = {k: v for k, v in base_env.items() if k not in SCRUBBED and not k.startswith(SCRUBBED_PREFIXES)}
+    common = {
+        k: v
+        for k, v in base_env.items()
+        if k in KEPT or (k not in SCRUBBED and not k.startswith(SCRUBBED_PREFIXES))
+    }
     common.update(_job_variables(job))
     common.setdefault("PYTHONUNBUFFERED", "1")
     common["VERTEXRT_LOCAL_RUN"] = "1"
