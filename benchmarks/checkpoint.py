@@ -14,7 +14,7 @@ GCS rows (fake-gcs-server on loopback, 256 MiB): one gcsfs stream (``open('wb')`
 whole-object ``cat`` vs vertexrt save/restore. Medians of ``--repeats`` runs; ratios are vertexrt / baseline
 (>1 is better for MB/s). The page cache is not dropped (the machine is shared), so reads are cache reads.
 
-Run: .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--repeats 3] [--skip-gcs]
+Run: .venv/bin/python benchmarks/checkpoint.py [--gib 1.0] [--repeats 5] [--skip-gcs]
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="local state size in GiB")
     parser.add_argument("--gcs-mib", type=int, default=256, help="GCS state size in MiB")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-gcs", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

@@ -97,6 +97,7 @@ class CheckpointManager:
         self._last: tuple[int | None, float | None] = (None, None)  # (step, time) of the previous save
         self._infos: dict[int, CheckpointInfo] = {}
         self._thread: threading.Thread | None = None
+        self._deleter: threading.Thread | None = None  # retention runs after the commit, off the caller
         self._error: BaseException | None = None
         self._arena: Any = None
         self._notice: PreemptionNotice | None = None
@@ -113,11 +114,13 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first (not verified; see :meth:`latest_step`)."""
+        self._join_deleter()
         return self._strategy.committed_steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step whose manifest reads and whose data files are all present, or None."""
         self._raise_finished_error()
+        self._join_deleter()
         for step in reversed(self._strategy.committed_steps()):
             try:
                 self._check_files(step, self._manifest(step))
@@ -234,6 +237,7 @@ class CheckpointManager:
         if thread is not None:
             thread.join()
             self._thread = None
+        self._join_deleter()
         self._raise_error()
 
     def close(self) -> None:
@@ -342,7 +346,7 @@ class CheckpointManager:
                 prefix,
                 nodes,
                 buffers,
-                part_size=strategy.part_size,
+                part_size=strategy.part_size_for(sum(len(b) for b in buffers)),
                 threads=strategy.io_threads,
             )
             body = {"shard": shard or 0, "prefix": prefix, "files": files, "tree": tree}
@@ -382,7 +386,18 @@ class CheckpointManager:
             ) from exc
         self._infos[step] = CheckpointInfo(step, now, metrics)
         log.info("checkpoint step %d committed in %s", step, self.directory)
-        self._retain(token)
+        if self.rank == 0:
+            self._join_deleter()
+            self._deleter = threading.Thread(
+                target=self._retain_logged, args=(token,), name="vertexrt-checkpoint-retention", daemon=False
+            )
+            self._deleter.start()
+
+    def _join_deleter(self) -> None:
+        deleter = self._deleter
+        if deleter is not None:
+            deleter.join()
+            self._deleter = None
 
     def _gather_shards(self, write_dir: str, token: str) -> list[dict[str, Any]]:
         import orjson
@@ -406,9 +421,13 @@ class CheckpointManager:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
+    def _retain_logged(self, token: str) -> None:
+        try:
+            self._retain(token)
+        except Exception as exc:  # retention must never fail a save that is already committed
+            log.warning("applying the keep policy in %s failed: %s", self.directory, exc)
+
     def _retain(self, token: str) -> None:
-        if self.rank != 0:
-            return
         steps = self._strategy.committed_steps()
         if len(steps) <= 1:
             return

@@ -32,7 +32,7 @@ MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step_(\d+)$")
 _TOKEN = re.compile(r"([A-Za-z0-9_]+)-(\d+)-([0-9a-f]{8})")
 _GCS_PART_SIZE = 16 << 20
-_LOCAL_PART_SIZE = 256 << 20
+_LOCAL_MIN_PART_SIZE = 64 << 20
 
 
 def step_name(step: int) -> str:
@@ -209,7 +209,7 @@ class Strategy:
     """How steps under ``root`` are listed, written, committed and deleted."""
 
     kind: str
-    part_size: int
+    part_size: int | None  # None: split the state into ``io_threads`` files of at least 64 MiB
     io_threads: int
     mmap_reads = False
 
@@ -217,6 +217,13 @@ class Strategy:
         self.store = store
         self.root = root
         self.stale_after = stale_after
+
+    def part_size_for(self, total: int) -> int:
+        """Bytes per data file for a state of ``total`` bytes."""
+        if self.part_size:
+            return self.part_size
+        per_thread = -(-total // max(self.io_threads, 1))
+        return max(_LOCAL_MIN_PART_SIZE, -(-per_thread // (1 << 20)) * (1 << 20))
 
     def step_dir(self, step: int) -> str:
         return self.store.join(self.root, step_name(step))
@@ -269,7 +276,7 @@ class RenameStrategy(Strategy):
     """Local POSIX: temp directory + one rename."""
 
     kind = "local"
-    part_size = _LOCAL_PART_SIZE
+    part_size = None
     io_threads = 2
     mmap_reads = True  # committed files are never modified in place, so mapped leaves stay valid
 
