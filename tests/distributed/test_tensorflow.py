@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vertexrt.distributed import Cluster, cluster, setup_tensorflow, tf_config
+from vertexrt.distributed import Cluster, cluster, tf_config
 from vertexrt.distributed.tensorflow import KERAS_ADVICE, _choose, _extra_keys, _steer_keras, keras_flavour
 from vertexrt.errors import ClusterSpecError, ConfigError
 
@@ -123,11 +123,24 @@ def test_keras_steering(monkeypatch, caplog) -> None:
 
 
 def test_setup_tensorflow_rejects_bad_requests_before_importing_tensorflow() -> None:
-    with pytest.raises(ConfigError, match="expected one of auto"):
-        setup_tensorflow("mirrored_multi")
-    with pytest.raises(ConfigError, match="needs a multi-replica cluster"):
-        setup_tensorflow("multi_worker_mirrored", cluster=Cluster(source="local"))
-    assert "tensorflow" not in sys.modules
+    probe = (
+        "import sys\n"
+        "from vertexrt.distributed import Cluster, setup_tensorflow\n"
+        "from vertexrt.errors import ConfigError\n"
+        "for args in (('mirrored_multi',), ('multi_worker_mirrored',)):\n"
+        "    try:\n"
+        "        setup_tensorflow(*args, cluster=Cluster(source='local'))\n"
+        "    except ConfigError as err:\n"
+        "        print(err)\n"
+        "print('tensorflow' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    lines = out.stdout.splitlines()
+    assert "expected one of auto" in lines[0]
+    assert "needs a multi-replica cluster" in lines[1]
+    assert lines[2] == "False"  # rejected before TensorFlow was imported
 
 
 @pytest.mark.slow
