@@ -30,6 +30,13 @@ _EXPORTS: dict[str, str] = {
     "project_id": "vertexrt.env",
     "storage_options": "vertexrt.env",
     "bigquery_client": "vertexrt.env",
+    "CheckpointManager": "vertexrt.checkpoint",
+    "EveryNSteps": "vertexrt.checkpoint",
+    "EveryNSeconds": "vertexrt.checkpoint",
+    "KeepLast": "vertexrt.checkpoint",
+    "KeepEveryNSteps": "vertexrt.checkpoint",
+    "KeepBest": "vertexrt.checkpoint",
+    "rng_state": "vertexrt.checkpoint",
     "cluster": "vertexrt.distributed",
     "Cluster": "vertexrt.distributed",
     "world_info": "vertexrt.distributed",
@@ -59,6 +66,15 @@ _SUBMODULES = (
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 if TYPE_CHECKING:
+    from vertexrt.checkpoint import (  # noqa: F401
+        CheckpointManager,
+        EveryNSeconds,
+        EveryNSteps,
+        KeepBest,
+        KeepEveryNSteps,
+        KeepLast,
+        rng_state,
+    )
     from vertexrt.data import TFRecordWriter, open_dataset  # noqa: F401
     from vertexrt.distributed import (  # noqa: F401
         Cluster,
