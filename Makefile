@@ -16,8 +16,12 @@ $(STAMP): pyproject.toml constraints/test.txt
 
 install: $(STAMP)
 
+# A 2-replica job of the torch example, preempted (SIGTERM) at step 20 and restarted: it resumes from the
+# checkpoint of step 20, trains to the end, reports the final metric and exports the model.
 demo: install
 	$(BIN)/python examples/quickstart.py
+	$(BIN)/vertexrt local-run --workers 2 --preempt-after 20 -- \
+		$(BIN)/python examples/torch_classifier.py --hold-at-step 20
 
 lint: install
 	$(BIN)/ruff check $(LINTED)

@@ -30,6 +30,10 @@ _EXPORTS: dict[str, str] = {
     "project_id": "vertexrt.env",
     "storage_options": "vertexrt.env",
     "bigquery_client": "vertexrt.env",
+    "main": "vertexrt.runtime",
+    "Context": "vertexrt.runtime",
+    "Trainer": "vertexrt.runtime",
+    "Preempted": "vertexrt.runtime",
     "CheckpointManager": "vertexrt.checkpoint",
     "EveryNSteps": "vertexrt.checkpoint",
     "EveryNSeconds": "vertexrt.checkpoint",
@@ -60,6 +64,7 @@ _SUBMODULES = (
     "hypertune",
     "keras",
     "paths",
+    "runtime",
     "tensorboard",
 )
 
@@ -101,6 +106,7 @@ if TYPE_CHECKING:
         PathError,
         VertexrtError,
     )
+    from vertexrt.runtime import Context, Preempted, Trainer, main  # noqa: F401
 
 
 def __getattr__(name: str) -> object:

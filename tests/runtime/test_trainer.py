@@ -132,6 +132,25 @@ def test_sigterm_during_evaluation_saves_and_reruns_it_on_resume(
     assert_same_training(reference, second)
 
 
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous_step(
+    runtime_env: Any, tmp_path: Any, regression_data: str, caplog: Any
+) -> None:
+    reference, _ = run(Regression, str(tmp_path / "a"), regression_data)
+    first, code = run(Regression, str(tmp_path / "b"), regression_data, preempt_at=13)
+    assert code == 143
+    newest = tmp_path / "b" / "ckpt" / "step_0000000013"
+    data_file = sorted(newest.glob("*.bin"))[0]
+    corrupted = bytearray(data_file.read_bytes())
+    corrupted[len(corrupted) // 2] ^= 0xFF
+    data_file.write_bytes(bytes(corrupted))
+
+    second, code = run(Regression, str(tmp_path / "b"), regression_data)
+    assert code == 0 and second.step == 30
+    assert "skipping checkpoint step 13" in caplog.text and data_file.name in caplog.text
+    assert second.seen == reference.seen[10 * 4 :]  # resumed from step 10, the newest valid one
+    assert_same_training(reference, second)
+
+
 class ListData(Regression):
     """Batches from a plain list: no reader state, so resuming replays and skips the epoch's batches."""
 

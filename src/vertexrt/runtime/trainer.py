@@ -247,18 +247,19 @@ class Trainer(StateTracker):
         return data  # type: ignore[no-any-return]
 
     def _restore(self) -> None:
-        from vertexrt.checkpoint.collective import broadcast, torch_dist
+        from vertexrt.checkpoint.collective import any_rank, broadcast, torch_dist
 
-        manager, rank, tree = self.checkpoints, self.ctx.rank, self._restore_target
-        latest = broadcast(manager.latest_step() if rank == 0 else None, torch_dist())  # one answer for all
-        if latest is None:
-            logger.info("no checkpoint in %s: starting from step 0", manager.directory)
-            return
-        if not self._sharded or rank == 0:
-            manager.restore(tree, step=latest, shard=0 if self._sharded else None)
+        manager, dist = self.checkpoints, torch_dist()
+        newest_first = broadcast(manager.all_steps()[::-1] if self.ctx.rank == 0 else None, dist)
+        for step in newest_first:  # every rank tries the same step; all move on if any rank fails it
+            failed = not self._restore_step(step)
+            if not any_rank(failed, dist):
+                break
+            logger.warning("checkpoint step %d is unusable on some rank: trying the previous one", step)
         else:
-            manager.restore({"replicated": tree["replicated"]}, step=latest, shard=0)
-            manager.restore({"local": tree["local"]}, step=latest, shard=rank)
+            what = "no usable checkpoint" if newest_first else "no checkpoint"
+            logger.info("%s in %s: starting from step 0", what, manager.directory)
+            return
         self._saved = self._loop.state_dict()
         logger.info(
             "resumed from the checkpoint of step %d (epoch %d, batch %d of the epoch) in %s",
@@ -267,6 +268,22 @@ class Trainer(StateTracker):
             self._loop.batch_in_epoch,
             manager.directory,
         )
+
+    def _restore_step(self, step: int) -> bool:
+        """Load ``step`` into the tracked state; False (with a warning) when it fails verification."""
+        from vertexrt.checkpoint import CheckpointCorruptError
+
+        manager, rank, tree = self.checkpoints, self.ctx.rank, self._restore_target
+        try:
+            if not self._sharded or rank == 0:
+                manager.restore(tree, step=step, shard=0 if self._sharded else None)
+            else:
+                manager.restore({"replicated": tree["replicated"]}, step=step, shard=0)
+                manager.restore({"local": tree["local"]}, step=step, shard=rank)
+        except CheckpointCorruptError as err:
+            logger.warning("skipping checkpoint step %d: %s", step, err)
+            return False
+        return True
 
     def _finished(self) -> bool:
         if self.max_steps is not None and self.step >= self.max_steps:
