@@ -39,7 +39,18 @@ def test_info_local_run(clean_env, monkeypatch, capsys):
 def test_warns_aip_dir_not_gcs_on_vertex(vertex_env, capsys):
     vertex_env(extra={"AIP_MODEL_DIR": "/tmp/model/"})
     out = _info(capsys)
-    assert "warning: AIP_MODEL_DIR='/tmp/model/' is not a gs:// URI" in out
+    assert "warning: AIP_MODEL_DIR='/tmp/model/' is neither a gs:// URI nor a /gcs/ path" in out
+
+
+def test_fuse_output_dirs_are_fine_on_vertex(vertex_env, capsys):
+    vertex_env(
+        extra={
+            "AIP_MODEL_DIR": "/gcs/my-bucket/base/model/",
+            "AIP_CHECKPOINT_DIR": "/gcs/my-bucket/base/checkpoints/",
+            "AIP_TENSORBOARD_LOG_DIR": "/gcs/my-bucket/base/logs/",
+        }
+    )
+    assert "warning" not in _info(capsys)
 
 
 def test_warns_missing_output_dirs_on_vertex(vertex_env, capsys):
@@ -68,8 +79,10 @@ def test_tf_config_and_cluster_spec_disagreeing(vertex_env, monkeypatch, capsys)
     )
     report = json.loads(_info(capsys, "--json"))
     text = "\n".join(report["warnings"])
-    assert "CLUSTER_SPEC cluster.workerpool0" in text and "TF_CONFIG" in text and "disagree" in text
-    assert "task workerpool1:0 and TF_CONFIG task chief:0 disagree" in text
+    assert "CLUSTER_SPEC lists {'chief': ('cmle-training-workerpool0-ab12cd34ef-0:2222',)" in text
+    assert "but TF_CONFIG lists {'chief': ('other-host:2222',)" in text
+    assert "CLUSTER_SPEC says this task is worker 0 but TF_CONFIG says chief 0" in text
+    assert report["cluster"]["source"] == "CLUSTER_SPEC"  # CLUSTER_SPEC wins
 
 
 def test_project_not_resolvable_warns(vertex_env, monkeypatch, capsys):

@@ -84,6 +84,11 @@ def test_join(base, parts, joined):
     assert paths.join(base, *parts) == joined
 
 
+def test_join_refuses_an_empty_base():
+    with pytest.raises(PathError, match="empty string"):
+        paths.join("", "x")
+
+
 def test_join_refuses_escaping_a_bucket():
     with pytest.raises(PathError):
         paths.join("gs://b12/base", "..", "other")

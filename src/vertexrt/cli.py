@@ -80,13 +80,15 @@ def info_report() -> dict[str, Any]:
 def _cluster_summary(warnings: list[str]) -> dict[str, Any] | None:
     from vertexrt.distributed import cluster
 
-    try:
-        with catch_warnings():  # disagreements are reported, in more detail, by contract_warnings()
-            simplefilter("ignore")
-            return cluster().summary()
-    except VertexrtError as err:
-        warnings.append(str(err))
-        return None
+    with catch_warnings(record=True) as caught:  # CLUSTER_SPEC / TF_CONFIG / RANK disagreements
+        simplefilter("always")
+        try:
+            summary = cluster().summary()
+        except VertexrtError as err:
+            summary = None
+            warnings.append(str(err))
+    warnings.extend(str(w.message) for w in caught)
+    return summary
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -87,10 +87,12 @@ def join(base: str, *parts: str) -> str:
     """Join path segments under ``base`` keeping its form (local, ``/gcs/``, ``gs://``).
 
     Example:
-        >>> paths.join("gs://b/base/", "3", "model")
-        'gs://b/base/3/model'
+        >>> paths.join("gs://my-bucket/base/", "3", "model")
+        'gs://my-bucket/base/3/model'
     """
     text = str(base)
+    if not text:
+        raise PathError("paths.join: the base is an empty string; give a directory or URI to join under")
     pieces = [text.rstrip("/") if text.rstrip("/") else text]
     pieces += [str(p).strip("/") for p in parts if str(p).strip("/")]
     joined = "/".join(pieces) if pieces[0] != "/" else "/" + "/".join(pieces[1:])
@@ -161,7 +163,7 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: paths.open(uri, mode)
     """Open a local path, ``/gcs/`` path or ``gs://`` URI; parents are created for writes.
 
     Example:
-        >>> with paths.open("gs://b/run/log.txt", "w") as f:
+        >>> with paths.open("gs://my-bucket/run/log.txt", "w") as f:
         ...     f.write("hello")
     """
     text = str(uri)

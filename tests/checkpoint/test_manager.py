@@ -343,3 +343,53 @@ def test_restored_values_outlive_their_step_and_are_private(storage_root):
         mgr.save(2, {"w": torch.zeros(3), "a": np.zeros(1)})  # deletes step 1
         assert mgr.all_steps() == [2]
     assert torch.equal(got["w"], torch.arange(1000.0) + 1) and got["a"][0] == 42
+
+
+def test_a_rolled_back_save_is_kept_and_the_newer_step_is_flagged(tmp_path, caplog) -> None:
+    from vertexrt.checkpoint import CheckpointManager, KeepLast
+
+    with CheckpointManager(str(tmp_path), keep_policy=KeepLast(1), async_save=False) as mgr:
+        for step in (10, 20, 30):
+            mgr.save(step, {"step": step}, force=True)
+        mgr.wait()
+        assert mgr.all_steps() == [30]
+        mgr.save(21, {"step": 21}, force=True)  # training rolled back to an older state and went on
+        mgr.wait()
+        assert mgr.all_steps() == [21, 30]  # the step just saved survives its own retention pass
+    assert "step 30 is newer" in caplog.text
+
+
+def test_retention_on_a_fuse_mount_deletes_old_steps(tmp_path, monkeypatch) -> None:
+    from vertexrt.checkpoint import CheckpointManager, KeepLast
+
+    monkeypatch.setenv("VERTEXRT_FUSE_ROOT", str(tmp_path / "mnt"))
+    (tmp_path / "mnt" / "fuse-bucket").mkdir(parents=True)
+    with CheckpointManager("/gcs/fuse-bucket/ckpt", keep_policy=KeepLast(1), async_save=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"step": step}, force=True)
+        mgr.wait()
+        assert mgr.all_steps() == [3]
+    remaining = sorted(p.name for p in (tmp_path / "mnt" / "fuse-bucket" / "ckpt").iterdir())
+    assert remaining == ["step_0000000003"]
+
+
+def test_unsupported_scheme_is_refused_not_written_to_local_disk() -> None:
+    from vertexrt.checkpoint import CheckpointManager
+    from vertexrt.errors import PathError
+
+    with pytest.raises(PathError, match=r"'memory://bkt/ckpt'.*only local paths, /gcs/ paths and gs:// URIs"):
+        CheckpointManager("memory://bkt/ckpt")
+
+
+def test_leftover_of_an_earlier_process_with_the_same_pid_is_cleaned(tmp_path) -> None:
+    import os
+
+    from vertexrt.checkpoint import CheckpointManager
+    from vertexrt.checkpoint.storage import _host
+
+    stale = tmp_path / f".tmp.step_0000000005.{_host()}-{os.getpid()}-deadbeef"
+    stale.mkdir()
+    (stale / "data.bin").write_bytes(b"partial")
+    with CheckpointManager(str(tmp_path)):
+        pass
+    assert not stale.exists()

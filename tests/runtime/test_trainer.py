@@ -274,3 +274,14 @@ def test_bad_arguments_are_config_errors(runtime_env: Any) -> None:
         Trainer(Context.create(), max_epochs=0)
     with pytest.raises(ConfigError, match="eval_every"):
         Trainer(Context.create(), eval_every=0)
+
+
+def test_several_replicas_without_torch_distributed_is_a_clear_error(
+    vertex_env: Any, tmp_path: Any, regression_data: str
+) -> None:
+    vertex_env(workers=1, task=("workerpool1", 0))
+    ctx = Context.create()
+    ctx.checkpoints = CheckpointManager(str(tmp_path / "ckpt"))
+    with pytest.raises(ConfigError, match=r"Trainer with 2 replicas needs torch.distributed"):
+        Regression(ctx, regression_data).fit()
+    ctx.close()

@@ -389,7 +389,10 @@ class CheckpointManager:
         if self.rank == 0:
             self._join_deleter()
             self._deleter = threading.Thread(
-                target=self._retain_logged, args=(token,), name="vertexrt-checkpoint-retention", daemon=False
+                target=self._retain_logged,
+                args=(token, step),
+                name="vertexrt-checkpoint-retention",
+                daemon=False,
             )
             self._deleter.start()
 
@@ -397,7 +400,8 @@ class CheckpointManager:
         deleter = self._deleter
         if deleter is not None:
             deleter.join()
-            self._deleter = None
+            if self._deleter is deleter:  # the writer thread may have started a newer one meanwhile
+                self._deleter = None
 
     def _gather_shards(self, write_dir: str, token: str) -> list[dict[str, Any]]:
         import orjson
@@ -421,14 +425,23 @@ class CheckpointManager:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def _retain_logged(self, token: str) -> None:
+    def _retain_logged(self, token: str, saved: int) -> None:
         try:
-            self._retain(token)
+            self._retain(token, saved)
         except Exception as exc:  # retention must never fail a save that is already committed
             log.warning("applying the keep policy in %s failed: %s", self.directory, exc)
 
-    def _retain(self, token: str) -> None:
+    def _retain(self, token: str, saved: int) -> None:
+        """Apply the keep policy; the step just saved and the newest step are always kept."""
         steps = self._strategy.committed_steps()
+        if steps and steps[-1] > saved:
+            log.warning(
+                "saved step %d in %s, but step %d is newer: restore() returns the newest step, so delete the "
+                "newer steps if training was rolled back",
+                saved,
+                self.directory,
+                steps[-1],
+            )
         if len(steps) <= 1:
             return
         infos = []
@@ -444,7 +457,7 @@ class CheckpointManager:
             infos.append(info)
         keep = self.keep_policy.keep(infos)
         for info, kept in zip(infos[:-1], keep[:-1], strict=True):  # the newest is always kept
-            if not kept:
+            if not kept and info.step != saved:
                 try:
                     self._strategy.delete(info.step, token)
                     self._infos.pop(info.step, None)

@@ -25,6 +25,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from vertexrt import paths
+from vertexrt.errors import CheckpointError, PathError
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,16 @@ def step_name(step: int) -> str:
     return f"step_{step:010d}"
 
 
+#: Nonces of the tokens this process made: a leftover with this host and PID but another nonce was written
+#: by an earlier process that had the same PID (a restarted container often does).
+_OWN_NONCES: set[str] = set()
+
+
 def new_token() -> str:
     """``<host>-<pid>-<nonce>``: names everything one save writes, so leftovers can be traced to a writer."""
-    return f"{_host()}-{os.getpid()}-{os.urandom(4).hex()}"
+    nonce = os.urandom(4).hex()
+    _OWN_NONCES.add(nonce)
+    return f"{_host()}-{os.getpid()}-{nonce}"
 
 
 def _host() -> str:
@@ -143,6 +151,9 @@ class OsStore:
         return os.path.exists(path)
 
     def remove_tree(self, path: str) -> None:
+        if os.path.isfile(path) or os.path.islink(path):
+            os.remove(path)
+            return
         shutil.rmtree(path, ignore_errors=True)
         if os.path.exists(path):
             shutil.rmtree(path)
@@ -262,7 +273,7 @@ class Strategy:
         if host != _host():
             return time.time() - mtime > self.stale_after
         if pid == os.getpid():
-            return False
+            return match[3] not in _OWN_NONCES
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -303,6 +314,11 @@ class RenameStrategy(Strategy):
                 except FileNotFoundError:
                     continue
                 shutil.rmtree(trash, ignore_errors=True)
+        else:
+            raise CheckpointError(
+                f"could not commit step {step} in {self.root}: another writer kept replacing "
+                f"{step_name(step)}; the step stays uncommitted"
+            )
         fsync_dir(self.root)
 
     def abort(self, write_dir: str, token: str) -> None:
@@ -369,6 +385,11 @@ def strategy_for(directory: str, stale_after: float = 600.0) -> Strategy:
     fs, path = paths.filesystem(directory)
     local_fs = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
     if kind == "local":
+        if not local_fs:
+            raise PathError(
+                f"checkpoint directory {directory!r}: only local paths, /gcs/ paths and gs:// URIs are "
+                "supported (their commit protocol is known)"
+            )
         os.makedirs(path, exist_ok=True)
         return RenameStrategy(OsStore(), path, stale_after)
     if local_fs:  # a mounted /gcs/ bucket: POSIX calls, but no atomic directory rename

@@ -1,7 +1,7 @@
 """The dataset object: iteration, epochs, exact-resume state, and the framework adapters.
 
 Example:
-    >>> ds = open_dataset("gs://b/export/training-*.jsonl", shuffle=True, seed=1)
+    >>> ds = open_dataset("gs://my-bucket/export/training-*.jsonl", shuffle=True, seed=1)
     >>> ds.set_epoch(0)
     >>> for record in ds: ...
     >>> state = ds.state_dict()         # small JSON; put it in the checkpoint
@@ -374,7 +374,7 @@ def open_dataset(
         split: which ``AIP_*_DATA_URI`` to use when ``uri`` is None.
 
     Example:
-        >>> ds = open_dataset("gs://b/export/training-*", format="jsonl", seed=7)
+        >>> ds = open_dataset("gs://my-bucket/export/training-*", format="jsonl", seed=7)
         >>> for record in ds: ...
     """
     env_format = None

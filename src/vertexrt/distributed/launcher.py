@@ -318,6 +318,7 @@ class Supervisor:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._selector.close()
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._stop_signal = signum

@@ -11,7 +11,7 @@ read position), loops, saves by the checkpoint manager's policy, evaluates (each
 every step and inside evaluation (``self.interruptible``), saves a final checkpoint, and exports to
 ``AIP_MODEL_DIR`` from the chief only.
 
-The read position is exact when ``train_data`` is a vertexrt reader, a ``vertexrt.data.torch.DataLoader``
+The read position is exact when ``train_data`` is a vertexrt reader, a ``vertexrt.data.DataLoader``
 (any ``num_workers``) or a torch DataLoader over ``reader.as_torch()`` without worker processes; otherwise
 a resume replays the epoch and skips the batches already trained on.
 
@@ -21,7 +21,7 @@ Example:
     ...         self.model = torch.nn.Linear(4, 2)
     ...         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
     ...         reader = vertexrt.data.open_dataset("gs://bucket/train-*.jsonl", equalize="drop_remainder")
-    ...         self.train_data = vertexrt.data.torch.DataLoader(reader, batch_size=32, num_workers=2)
+    ...         self.train_data = vertexrt.data.DataLoader(reader, batch_size=32, num_workers=2)
     ...     def train_step(self, batch):
     ...         loss = ...
     ...         return {"loss": loss}
@@ -202,9 +202,17 @@ class Trainer(StateTracker):
                 self.ctx.uninstall_preemption_handler()
 
     def _fit(self) -> dict[str, float]:
+        from vertexrt.checkpoint.collective import torch_dist
+
+        self._sharded = self.ctx.world_size > 1
+        if self._sharded and torch_dist() is None:
+            raise ConfigError(
+                f"Trainer with {self.ctx.world_size} replicas needs torch.distributed to agree on "
+                "checkpoints and preemption: use @vertexrt.main(framework='torch') or call "
+                "vertexrt.init_torch() first (for TensorFlow use the vertexrt.keras callbacks)"
+            )
         self.setup()
         data = self._train_data()
-        self._sharded = self.ctx.world_size > 1
         full = self.state()
         self._tree = full if self.ctx.rank == 0 else {"local": full["local"]}
         self._restore_target = full

@@ -83,8 +83,13 @@ class ClusterSpecSource(ClusterSource):
 def check_consistency(spec: ClusterJSON, environ: Mapping[str, str]) -> None:
     """Warn (naming both variables) where TF_CONFIG or RANK/WORLD_SIZE contradict CLUSTER_SPEC."""
     text = environ.get(tf_config.VARIABLE, "")
+    other = None
     if not tf_config.is_empty(text):
-        other = tf_config.parse(text)
+        try:
+            other = tf_config.parse(text)
+        except ClusterSpecError as err:  # CLUSTER_SPEC is what Vertex's own code trusts: go on with it
+            _warn(f"{err}; using CLUSTER_SPEC")
+    if other is not None:
         mine = {p.role: p.addresses for p in spec.pools if p.role in ("chief", "worker", "ps")}
         theirs = {p.role: p.addresses for p in other.pools if p.role in ("chief", "worker", "ps")}
         if mine != theirs:
