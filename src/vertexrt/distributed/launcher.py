@@ -65,8 +65,8 @@ SCRUBBED = frozenset(
         "VERTEXRT_WORKERPOOL2",
     }
 )
+#: Vertex pool -> its TF_CONFIG task type, which also labels the replica's log lines.
 _TF_TYPES = {"workerpool0": "chief", "workerpool1": "worker", "workerpool2": "ps", "workerpool3": "evaluator"}
-_LABELS = {"workerpool0": "chief", "workerpool1": "worker", "workerpool2": "ps", "workerpool3": "evaluator"}
 _SETTLE_SECONDS = 5.0
 
 
@@ -238,7 +238,7 @@ def replica_environments(job: JobSpec, base_env: Mapping[str, str], ports: Seque
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), WORLD_SIZE=str(job.workers))
                 if node_rank is not None:
                     env["RANK"] = str(node_rank)
-            label = _LABELS[pool] + ("" if pool == "workerpool0" else f"-{index}")
+            label = _TF_TYPES[pool] + ("" if pool == "workerpool0" else f"-{index}")
             if pool == "workerpool2" and job.reduction_servers:
                 replicas.append(
                     Replica(label=f"reduction-server-{index}", pool=pool, index=index, env=env, runs=False)
