@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from vertexrt.checkpoint import EXIT_CODE, CheckpointManager, EveryNSteps, KeepLast, rng_state
+from vertexrt.checkpoint import PREEMPTED_EXIT_CODE, CheckpointManager, EveryNSteps, KeepLast, rng_state
 
 
 def main() -> int:
@@ -56,7 +56,7 @@ def main() -> int:
             if mgr.preemption_requested():
                 mgr.save(step, state, force=True)
                 print(f"preempted: saved step {step}", flush=True)
-                return EXIT_CODE
+                return PREEMPTED_EXIT_CODE
             if mgr.save(step, state, metrics={"loss": loss.item()}):
                 print(f"saving step {step}", flush=True)
             time.sleep(args.sleep)

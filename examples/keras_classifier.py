@@ -1,27 +1,31 @@
-"""A Keras classifier on Vertex AI: MultiWorkerMirroredStrategy, checkpoints with mid-epoch resume,
-preemption handling, hypertune reports and TensorBoard, all through vertexrt.
+"""A Keras classifier on Vertex AI: MultiWorkerMirroredStrategy fed by a vertexrt reader, checkpoints with
+exact mid-epoch resume (weights, optimizer and every worker's read position), preemption handling, hypertune
+reports, TensorBoard and a multi-worker-safe export, all through vertexrt.
 
 It writes its synthetic data first (next to the job's outputs: local disk, /gcs/ or gs://), trains with
 tf-keras (Keras 3 `fit` fails under MultiWorkerMirroredStrategy on TF 2.21), and exports `model.keras` to
-`AIP_MODEL_DIR` from the chief.
+`AIP_MODEL_DIR` (every worker saves, the chief's copy lands). A preempted and restarted run ends with the
+same weights as an uninterrupted one (compare the printed `weights_sha256`).
 
     python examples/keras_classifier.py
     vertexrt local-run --workers 2 -- python examples/keras_classifier.py
-    vertexrt local-run --workers 2 --preempt-after 25 -- python examples/keras_classifier.py --epochs 20
+    vertexrt local-run --workers 2 --preempt-after 25 --restarts 1 -- python examples/keras_classifier.py
 """
 
 from __future__ import annotations
 
 import argparse
-import io
+import hashlib
+import json
 import logging
 import os
-import tempfile
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from vertexrt import hypertune, paths, tensorboard
+from vertexrt import hypertune, paths
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps, KeepLast
+from vertexrt.data import open_dataset
 from vertexrt.distributed import setup_tensorflow
 from vertexrt.env import environment
 
@@ -29,24 +33,16 @@ FEATURES, CLASSES = 8, 3
 
 
 def write_data(uri: str, rows: int, seed: int) -> None:
-    """Synthetic 3-class data: the class is the argmax of three fixed linear scores."""
+    """Synthetic 3-class data as JSON lines: the class is the argmax of three fixed linear scores."""
     import numpy as np
 
     scores = np.random.default_rng(0).normal(size=(FEATURES, CLASSES))
     x = np.random.default_rng(seed).normal(size=(rows, FEATURES)).astype("float32")
-    y = (x @ scores).argmax(axis=1).astype("int64")
-    buffer = io.BytesIO()
-    np.savez(buffer, x=x, y=y)
-    with paths.open(uri, "wb") as f:
-        f.write(buffer.getvalue())
-
-
-def read_data(uri: str) -> tuple[object, object]:
-    import numpy as np
-
-    with paths.open(uri, "rb") as f:
-        data = np.load(io.BytesIO(f.read()))
-        return data["x"], data["y"]
+    y = (x @ scores).argmax(axis=1)
+    with paths.open(uri, "w") as f:
+        f.writelines(
+            json.dumps({"x": row.tolist(), "y": int(label)}) + "\n" for row, label in zip(x, y, strict=True)
+        )
 
 
 def barrier(strategy: object) -> None:
@@ -56,6 +52,25 @@ def barrier(strategy: object) -> None:
     strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(1)), axis=None)
 
 
+def hold_at(step: int | None) -> list[object]:
+    """Demo only: on a fresh run, wait at global step ``step`` until the preemption notice (SIGTERM) arrives,
+    so `vertexrt local-run --preempt-after S` preempts mid-epoch whatever the machine's speed."""
+    import tensorflow as tf
+
+    from vertexrt.runtime.signals import preemption_signal
+
+    class HoldAt(tf.keras.callbacks.Callback):  # type: ignore[misc, name-defined]
+        def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+            if int(self.model.optimizer.iterations.numpy()) != step:
+                return
+            logging.info("holding at step %d until a preemption notice arrives", step)
+            deadline = time.monotonic() + 300
+            while not preemption_signal().requested and time.monotonic() < deadline:
+                time.sleep(0.1)
+
+    return [] if step is None else [HoldAt()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Keras classifier on vertexrt")
     parser.add_argument("--epochs", type=int, default=5)
@@ -63,6 +78,9 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=64, help="global batch size")
     parser.add_argument("--learning_rate", type=float, default=0.01)
     parser.add_argument("--checkpoint_every", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument(
+        "--hold_at_step", type=int, default=None, help="demo: wait at this step of a fresh run for a SIGTERM"
+    )
     args = hypertune.parse_args(parser, ignore_unknown=True)
 
     strategy = setup_tensorflow(legacy_keras=True)  # first: before TensorFlow runs any op
@@ -72,17 +90,13 @@ def main() -> None:
 
     env = environment()
     base = env.model_dir.rsplit("/", 1)[0]
-    train_uri, val_uri = paths.join(base, "data", "train.npz"), paths.join(base, "data", "val.npz")
-    if hypertune.is_chief():
-        write_data(train_uri, rows=4096, seed=1)
+    train_uri, val_uri = paths.join(base, "data", "train.jsonl"), paths.join(base, "data", "val.jsonl")
+    if hypertune.is_chief():  # the same bytes on a restart: the readers' places stay valid
         write_data(val_uri, rows=1024, seed=2)
+        write_data(train_uri, rows=4096, seed=1)
     barrier(strategy)  # the other workers read what the chief wrote
 
     tf.keras.utils.set_random_seed(1)
-    x, y = read_data(train_uri)
-    vx, vy = read_data(val_uri)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     with strategy.scope():
         model = tf.keras.Sequential(
             [
@@ -97,26 +111,23 @@ def main() -> None:
             metrics=["accuracy"],
         )
 
+    # Each worker reads its own share of the files/records; the callback checkpoints where it is in it.
+    reader = open_dataset(train_uri, format="jsonl", seed=2, shuffle_buffer=1024)
     manager = CheckpointManager(
         env.checkpoint_dir, save_policy=EveryNSteps(args.checkpoint_every), keep_policy=KeepLast(2)
     )
-    checkpoints = vk.CheckpointCallback(manager)
-    position = checkpoints.restore(model)  # weights, optimizer and position of the newest checkpoint
-    # A deterministic stream, skipped to where the checkpoint stopped: resumes mid-epoch exactly.
-    train = (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .shuffle(4096, seed=2)
-        .batch(args.batch_size, drop_remainder=True)
-        .repeat()
-        .skip(position.step)
-        .with_options(options)
+    checkpoints = vk.CheckpointCallback(manager, data=reader)
+    checkpoints.restore(model)  # weights, optimizer, position and this worker's place in the reader
+    train = checkpoints.as_tf(batch_size=args.batch_size).map(lambda b: (b["x"], b["y"]))
+    # Validation: small, in memory, every worker evaluates a DATA-sharded part of the same records.
+    records = list(open_dataset(val_uri, format="jsonl", shuffle=False, rank=0, world_size=1))
+    val = tf.data.Dataset.from_tensor_slices(([r["x"] for r in records], [r["y"] for r in records])).batch(
+        args.batch_size
     )
-    val = tf.data.Dataset.from_tensor_slices((vx, vy)).batch(args.batch_size).with_options(options)
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    val = val.with_options(options)
 
-    board = tensorboard.writer()  # gs:// safe; does nothing on workers
-    log_epoch = tf.keras.callbacks.LambdaCallback(
-        on_epoch_end=lambda epoch, logs: board.scalars(logs, epoch + 1)
-    )
     model.fit(
         train,
         epochs=args.epochs,
@@ -124,26 +135,21 @@ def main() -> None:
         validation_data=val,
         verbose=2,
         callbacks=[
+            *hold_at(args.hold_at_step if checkpoints.position.step == 0 else None),
             checkpoints,
             vk.PreemptionCallback(manager),  # SIGTERM: save, stop, exit 143; the restart resumes here
             vk.HypertuneCallback("val_accuracy"),
-            log_epoch,
+            vk.TensorBoard(),  # AIP_TENSORBOARD_LOG_DIR, gs:// included; the chief uploads
         ],
     )
     manager.close()
-    board.close()
 
     loss, accuracy = model.evaluate(val, verbose=0)
-    target = paths.join(env.model_dir, "model.keras")
-    with tempfile.TemporaryDirectory() as tmp:
-        local = os.path.join(tmp, "model.keras")
-        model.save(local)  # every worker: saving reads the mirrored variables collectively
-        if hypertune.is_chief():
-            with open(local, "rb") as src, paths.open(target, "wb") as dst:
-                dst.write(src.read())
+    target = vk.export(model)  # every worker saves (MWMS needs it); the chief's copy lands in AIP_MODEL_DIR
     if hypertune.is_chief():
-        print(f"final val_accuracy={accuracy:.4f} val_loss={loss:.4f}")
-        print(f"model exported to {target}; TensorBoard logs in {board.log_dir}")
+        digest = hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()
+        print(f"final val_accuracy={accuracy:.4f} val_loss={loss:.4f} weights_sha256={digest}")
+        print(f"model exported to {target}")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,12 @@ Data: unless ``--data`` or ``AIP_TRAINING_DATA_URI`` names real data, the chief 
 validation file) next to the job's output directories, the local directory or bucket that stands in for
 Cloud Storage. Every rank reads its shard through ``vertexrt.data`` (shuffled, equal batch counts).
 
-The Trainer restores the newest checkpoint in ``AIP_CHECKPOINT_DIR`` (weights, optimizer, LR schedule,
-step, epoch, each rank's RNG and read position), evaluates and reports ``accuracy`` to hypertune every
-epoch, saves every ``--checkpoint-every`` steps and on SIGTERM (then exits 143 so the job restarts), and
-the chief exports ``model.pt`` (a ``state_dict``) and ``model.json`` to ``AIP_MODEL_DIR``.
+The Trainer restores the newest checkpoint in ``AIP_CHECKPOINT_DIR`` (weights, optimizer, LR schedule, step,
+epoch, each rank's RNG and read position), wraps the model in DistributedDataParallel when there are several
+replicas, evaluates every epoch (the metrics of the ranks are averaged, weighted by the examples each
+scored: here each rank scores the whole validation file) and reports ``accuracy`` to hypertune, saves every
+``--checkpoint-every`` steps and on SIGTERM (then exits 143 so the job restarts), and the chief exports
+``model.pt`` (a ``state_dict``) and ``model.json`` to ``AIP_MODEL_DIR``.
 
 Load the exported model:
 
@@ -43,7 +45,7 @@ import vertexrt.data.torch
 from vertexrt import paths
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps, KeepLast
 
-logger = logging.getLogger("torch_classifier")
+logger = logging.getLogger(__name__)  # "__main__" as a script: @main logs it at INFO
 
 FEATURES, CLASSES, HIDDEN = 8, 3, 32
 TRAIN_SHARDS = 4
@@ -161,8 +163,9 @@ class Classifier(vertexrt.Trainer):
         args, ctx = self.args, self.ctx
         train_uri, val_uri, fmt = data_locations(ctx, args)
         torch.manual_seed(args.seed)
-        net = build_model().to(ctx.device)
-        self.model = torch.nn.parallel.DistributedDataParallel(net) if ctx.world_size > 1 else net
+        # A bare module: with several replicas fit() wraps it in DistributedDataParallel (Trainer(ddp=False)
+        # opts out); checkpoints and export() see the bare module.
+        self.model = build_model().to(ctx.device)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=40, gamma=0.5)
         train = vertexrt.data.open_dataset(
@@ -217,12 +220,11 @@ class Classifier(vertexrt.Trainer):
                 correct += int((logits.argmax(dim=1) == y).sum())
                 total += len(y)
         model.train()
-        return {"accuracy": correct / total, "val_loss": loss_sum / total}
+        return {"accuracy": (correct / total, total), "val_loss": (loss_sum / total, total)}
 
     def export(self, model_dir: str) -> None:
-        net = getattr(self.model, "module", self.model)  # unwrap DistributedDataParallel
         buffer = io.BytesIO()
-        torch.save(net.state_dict(), buffer)
+        torch.save(self.model.state_dict(), buffer)  # the bare module, also after DDP wrapping
         with paths.open(paths.join(model_dir, "model.pt"), "wb") as f:
             f.write(buffer.getvalue())
         shape = {"features": FEATURES, "hidden": HIDDEN, "classes": CLASSES, "trained_steps": self.step}

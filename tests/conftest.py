@@ -13,6 +13,9 @@ import pytest
 # Must be set before anything imports gcsfs (its "extended" class stalls 60 s per call on emulators).
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+from bqemulator_launcher import BigQueryEmulator  # noqa: E402
+from faultproxy import FaultProxy  # noqa: E402
+
 from vertexrt.emulator import GCSServer  # noqa: E402
 from vertexrt.env import CONTRACT_VARIABLES  # noqa: E402
 
@@ -35,6 +38,44 @@ def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GCSServer]:
             os.environ.pop("STORAGE_EMULATOR_HOST", None)
         else:
             os.environ["STORAGE_EMULATOR_HOST"] = previous
+
+
+@pytest.fixture(scope="session")
+def bq_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[bool], BigQueryEmulator]]:
+    """``bq_emulator(honour_offset)``: a bqemulator (REST + gRPC Storage Read) for the session, one per mode,
+    from its own venv (``make install`` makes ``.venv/bqemu``); reads of its table ``flaky`` break once, and
+    each read session of its table ``resplit`` splits it into streams differently."""
+    python = os.environ.get("VERTEXRT_BQEMU_PYTHON") or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bqemu", "bin", "python"
+    )
+    running: dict[bool, BigQueryEmulator] = {}
+
+    def get(honour_offset: bool) -> BigQueryEmulator:
+        if not os.path.exists(python):
+            pytest.fail(f"no bqemulator venv at {python}: run `make install`")
+        if honour_offset not in running:
+            log = str(tmp_path_factory.mktemp("bq") / "bqemulator.log")
+            running[honour_offset] = BigQueryEmulator(
+                python, log, honour_offset, fail_table="flaky", resplit_table="resplit"
+            ).start()
+        return running[honour_offset]
+
+    try:
+        yield get
+    finally:
+        for emulator in running.values():
+            emulator.stop()
+
+
+@pytest.fixture
+def fault_proxy(gcs_server: GCSServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    """A :class:`FaultProxy` in front of the GCS server; STORAGE_EMULATOR_HOST points at it for the test.
+
+    Example: ``fault_proxy.set("stall")`` and every Cloud Storage call from then on gets no answer.
+    """
+    with FaultProxy(("127.0.0.1", gcs_server.port)) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.endpoint)
+        yield proxy
 
 
 @pytest.fixture(params=["local", "gcs"])

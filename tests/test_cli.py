@@ -116,3 +116,92 @@ def test_gcs_server_command_prints_exports_and_serves(tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 0
+
+
+# -- info reports, never crashes; it never prints credentials ------------------------------------------
+
+_DEEP = '{"a":' * 20_000 + "1" + "}" * 20_000
+_HUGE = "9" * 5000
+
+
+@pytest.mark.parametrize(
+    ("name", "variables"),
+    [
+        ("TF_CONFIG", {"TF_CONFIG": _DEEP}),
+        ("CLUSTER_SPEC", {"CLUSTER_SPEC": _DEEP}),
+        ("RANK", {"MASTER_ADDR": "h", "MASTER_PORT": "2222", "WORLD_SIZE": "2", "RANK": _HUGE}),
+        ("MASTER_PORT", {"MASTER_ADDR": "h", "MASTER_PORT": _HUGE, "WORLD_SIZE": "2", "RANK": "0"}),
+        ("GOOGLE_APPLICATION_CREDENTIALS", {"GOOGLE_APPLICATION_CREDENTIALS": "DIR"}),
+        ("GOOGLE_APPLICATION_CREDENTIALS", {"GOOGLE_APPLICATION_CREDENTIALS": "LIST"}),
+    ],
+    ids=[
+        "deep-tf-config",
+        "deep-cluster-spec",
+        "huge-rank",
+        "huge-port",
+        "credentials-dir",
+        "credentials-list",
+    ],
+)
+def test_info_survives_hostile_environment(tmp_path, name, variables):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "list.json").write_text("[1]")
+    paths = {"DIR": str(tmp_path), "LIST": str(tmp_path / "list.json")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIP_", "CLOUD_ML_", "GOOGLE_"))}
+    for key in ("TF_CONFIG", "CLUSTER_SPEC", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"):
+        env.pop(key, None)
+    env |= {k: paths.get(v, v) for k, v in variables.items()}
+    for args in (["info"], ["info", "--json"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "vertexrt.cli", *args],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
+        if "--json" in args:
+            warnings = json.loads(done.stdout)["warnings"]
+        else:
+            warnings = [line for line in done.stdout.splitlines() if line.startswith("warning:")]
+        assert any(name in warning for warning in warnings), done.stdout[-2000:]
+
+
+def test_info_masks_credentials_in_uris(vertex_env, capsys):
+    vertex_env(
+        base_output_dir="gs://my-bucket/base",
+        extra={
+            "AIP_TRAINING_DATA_URI": "https://storage.googleapis.com/b/o?X-Goog-Signature=s3cr3t&alt=media",
+            "AIP_TEST_DATA_URI": "gs://user:hunter2@my-bucket/test",
+        },
+    )
+    for args in ((), ("--json",)):
+        out = _info(capsys, *args)
+        assert "s3cr3t" not in out and "hunter2" not in out
+        assert "X-Goog-Signature=***" in out
+
+
+def test_local_run_simulation_is_not_warned_about_local_outputs(vertex_env, tmp_path, capsys):
+    base = tmp_path / "vertexrt_output" / "local-run-1"
+    vertex_env(
+        extra={
+            "VERTEXRT_LOCAL_RUN": "1",
+            "AIP_MODEL_DIR": f"{base}/model/",
+            "AIP_CHECKPOINT_DIR": f"{base}/checkpoints/",
+            "AIP_TENSORBOARD_LOG_DIR": f"{base}/logs/",
+        }
+    )
+    out = _info(capsys)
+    assert "lost" not in out and "warning" not in out
+    assert "note: a `vertexrt local-run` simulation of a Vertex job" in out
+    assert json.loads(_info(capsys, "--json"))["local_run"] is True
+
+
+def test_doctor_rejects_a_bad_timeout(capsys):
+    assert cli.main(["doctor", "--timeout", "0"]) == 2
+    assert "--timeout 0" in capsys.readouterr().err

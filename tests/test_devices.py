@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
+import subprocess
 import sys
 
 import pytest
@@ -106,3 +108,93 @@ def test_nccl_defaults_only_fill_what_is_unset() -> None:
     assert applied == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert env == {"NCCL_DEBUG": "INFO", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     assert devices.apply_nccl_defaults(env) == {}
+
+
+@pytest.mark.parametrize(
+    ("module", "must_not_load"),
+    [
+        ("vertexrt.devices", ()),
+        ("vertexrt.distributed.torch", ("vertexrt.devices",)),  # distributed is above devices
+        ("vertexrt.distributed.launcher", ("vertexrt.devices",)),
+        ("vertexrt.distributed", ("vertexrt.devices",)),
+    ],
+)
+def test_each_module_imports_alone_and_devices_is_one_way(
+    module: str, must_not_load: tuple[str, ...]
+) -> None:
+    code = f"import sys, {module}; print([m for m in {list(must_not_load)!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _fake_smi(tmp_path, monkeypatch) -> None:
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{SMI}EOF\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    for name in ("torch", "tensorflow"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(devices, "_warned_unused", set())
+
+
+def test_one_process_with_several_gpus_warns_how_to_use_them(
+    tmp_path, monkeypatch, clean_env, caplog
+) -> None:
+    _fake_smi(tmp_path, monkeypatch)  # 4 GPUs, one process (no torchrun, no spawn)
+    with caplog.at_level(logging.WARNING, logger="vertexrt.devices"):
+        assert devices.warn_unused_gpus() is True
+        assert devices.warn_unused_gpus() is True  # warned once
+    (record,) = [r.getMessage() for r in caplog.records]
+    assert "4 GPUs are visible" in record and "3 GPU(s) stay idle" in record
+    for hint in ("--processes-per-node 4", "spawn(fn, nprocs='gpu')", "torchrun --nproc-per-node=gpu"):
+        assert hint in record
+
+
+def test_one_process_per_gpu_does_not_warn(tmp_path, monkeypatch, clean_env, caplog) -> None:
+    _fake_smi(tmp_path, monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "1")  # as torchrun / spawn / local-run --processes-per-node set them
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with caplog.at_level(logging.WARNING, logger="vertexrt.devices"):
+        assert devices.warn_unused_gpus() is False
+        assert devices.warn_unused_gpus(local_world_size=1, num_gpus=1) is False
+        assert devices.warn_unused_gpus(local_world_size=1, num_gpus=0) is False
+    assert not caplog.records
+
+
+def _node_with(gpus: int, tmp_path, monkeypatch) -> None:
+    """A node whose nvidia-smi (which ignores CUDA_VISIBLE_DEVICES) lists ``gpus`` physical GPUs."""
+    fake = tmp_path / "nvidia-smi"
+    lines = "".join(SMI.splitlines(keepends=True)[:gpus])
+    fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{lines}EOF\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_a_wrapper_that_gives_each_process_its_own_gpu_is_accepted(monkeypatch, tmp_path) -> None:
+    # 4 processes on a 4-GPU node, each started with CUDA_VISIBLE_DEVICES=<its GPU>: each sees one, cuda:0.
+    _node_with(4, tmp_path, monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert select_device(3, 4, 1) == "cuda:0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbbb2222")
+    assert select_device(1, 4, 1) == "cuda:0"
+
+
+def test_one_gpu_made_visible_to_more_processes_than_the_node_has_gpus_is_an_error(monkeypatch, tmp_path):
+    # CUDA_VISIBLE_DEVICES=0 for both processes of a 1-GPU node: they would share it (NCCL fails later).
+    _node_with(1, tmp_path, monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(ConfigError, match=r"2 processes .* only 1 visible"):
+        select_device(1, 2, 1)
+
+
+def test_one_gpu_shared_by_every_process_of_the_node_is_still_an_error(monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the node has one GPU, all 4 would use it
+    with pytest.raises(ConfigError, match=r"4 processes .* only 1 visible"):
+        select_device(1, 4, 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # two visible: one each is not what the list says
+    with pytest.raises(ConfigError, match=r"4 processes .* only 2 visible"):
+        select_device(1, 4, 2)

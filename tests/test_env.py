@@ -160,19 +160,93 @@ def test_empty_explicit_project(clean_env):
         vertexrt.project_id("  ")
 
 
-def test_storage_options_bound_to_project_and_emulator(vertex_env, monkeypatch):
-    vertex_env(project="314159")
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:9999")
-    assert vertexrt.storage_options() == {
-        "project": "314159",
-        "endpoint_url": "http://127.0.0.1:9999",
-        "token": "anon",
-    }
+# -- untrusted values are bounded; output directories stay where they belong ---------------------------
 
 
-def test_bigquery_client_bound_to_project(vertex_env, monkeypatch):
-    vertex_env(project="271828")
-    monkeypatch.setenv("BIGQUERY_EMULATOR_HOST", "http://127.0.0.1:9050")
-    client = vertexrt.bigquery_client()
-    assert client.project == "271828"
-    assert client._connection.API_BASE_URL == "http://127.0.0.1:9050"
+def _nested(depth: int) -> str:
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize("name", ["TF_CONFIG", "CLUSTER_SPEC"])
+def test_deeply_nested_json_does_not_crash_environment(clean_env, monkeypatch, name):
+    monkeypatch.setenv(name, _nested(100_000))
+    env = vertexrt.environment()  # was RecursionError; the cluster model reports malformed JSON
+    assert env.trial_id is None
+
+
+def test_oversized_values_are_a_config_error(clean_env, monkeypatch):
+    monkeypatch.setenv("AIP_MODEL_DIR", "/tmp/" + "a" * 10_000)
+    with pytest.raises(ConfigError, match="AIP_MODEL_DIR is 10005 characters long"):
+        vertexrt.environment()
+
+
+@pytest.mark.parametrize(
+    "value", ["/gcs/bkt-1//var/x", "gs://bkt-1//var/x", "gs:/bkt-1/x", "/gcs/bkt-1/a/../../x"]
+)
+def test_output_dir_that_leaves_its_bucket_is_refused(clean_env, monkeypatch, value):
+    monkeypatch.setenv("AIP_CHECKPOINT_DIR", value)
+    with pytest.raises(ConfigError, match="AIP_CHECKPOINT_DIR"):
+        vertexrt.environment()
+
+
+def test_credentials_in_a_uri_are_not_echoed(clean_env, monkeypatch):
+    monkeypatch.setenv("AIP_MODEL_DIR", "gs://user:hunter2@bkt-1/model")
+    with pytest.raises(ConfigError, match="AIP_MODEL_DIR") as info:
+        vertexrt.environment()
+    assert "hunter2" not in str(info.value)
+
+
+def test_repr_masks_signed_urls(clean_env, monkeypatch):
+    monkeypatch.setenv("AIP_TRAINING_DATA_URI", "https://h/b/o?X-Goog-Signature=s3cr3t&alt=media")
+    env = vertexrt.environment()
+    assert env.training_data_uri.endswith("s3cr3t&alt=media")  # the value itself is usable
+    assert "s3cr3t" not in repr(env) and "X-Goog-Signature=***" in repr(env)
+
+
+@pytest.mark.parametrize("trial", ["../../etc", "a/b", "..", "x\ny"])
+def test_trial_id_cannot_move_the_local_output_directory(clean_env, monkeypatch, tmp_path, trial):
+    monkeypatch.setenv("CLOUD_ML_TRIAL_ID", trial)
+    with pytest.raises(ConfigError, match="CLOUD_ML_TRIAL_ID"):
+        vertexrt.environment()
+
+
+def test_trial_from_cluster_spec_is_validated_too(vertex_env):
+    vertex_env(trial="../../../tmp/elsewhere")
+    os.environ.pop("CLOUD_ML_TRIAL_ID")
+    with pytest.raises(ConfigError, match="CLUSTER_SPEC task.trial"):
+        vertexrt.environment()
+
+
+def test_job_id_cannot_move_the_local_output_directory(clean_env, monkeypatch):
+    monkeypatch.delenv("VERTEXRT_LOCAL_DIR")
+    monkeypatch.setenv("CLOUD_ML_JOB_ID", "../../outside")
+    with pytest.raises(ConfigError, match="CLOUD_ML_JOB_ID"):
+        vertexrt.environment()
+
+
+def test_credentials_file_that_is_a_directory(clean_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path))
+    with pytest.raises(ConfigError, match="GOOGLE_APPLICATION_CREDENTIALS=.*not a regular file"):
+        vertexrt.project_id()
+
+
+def test_credentials_file_holding_a_json_list(clean_env, monkeypatch, tmp_path):
+    key = tmp_path / "key.json"
+    key.write_text("[1, 2]")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    with pytest.raises(ConfigError, match="GOOGLE_APPLICATION_CREDENTIALS=.*JSON object"):
+        vertexrt.project_id()
+
+
+# -- one list of contract variables ---------------------------------------------------------------------
+
+
+def test_platform_variables_are_the_ones_a_local_launch_drops():
+    from vertexrt.env import CONTRACT_VARIABLES, SETTING_VARIABLES, is_platform_variable
+
+    assert is_platform_variable("AIP_MODEL_DIR") and is_platform_variable("AIP_SOMETHING_NEW")
+    assert is_platform_variable("CLUSTER_SPEC") and is_platform_variable("RANK")
+    assert is_platform_variable("TORCHELASTIC_MAX_RESTARTS") and is_platform_variable("CLOUD_ML_JOB_ID")
+    assert not is_platform_variable("CLOUD_ML_HP_METRIC_FILE")
+    assert not is_platform_variable("GOOGLE_CLOUD_PROJECT") and not is_platform_variable("PATH")
+    assert {n for n in CONTRACT_VARIABLES if not is_platform_variable(n)} == set(SETTING_VARIABLES)

@@ -16,6 +16,8 @@ import hypertune as cloudml_hypertune
 import pytest
 
 from vertexrt import hypertune
+from vertexrt._net import free_port
+from vertexrt.errors import ConfigError, MetricError
 
 FIXED_TIME = 1795306516.4312345
 
@@ -122,6 +124,66 @@ def test_rejects_non_finite_and_non_numeric(metric_env, bad):
     assert not path.exists()
 
 
+@pytest.mark.parametrize(
+    ("tag", "value", "step", "names"),
+    [
+        ("acc", 10**400, 1, "acc"),  # float() overflows
+        ("acc", 0.5, float("nan"), "step"),
+        ("acc", 0.5, float("inf"), "step"),
+        ("acc", 0.5, "abc", "step"),
+        ("acc", 0.5, [3], "step"),
+        (123, 0.5, 1, "tag"),
+        (b"acc", 0.5, 1, "tag"),
+    ],
+    ids=["overflow", "nan-step", "inf-step", "str-step", "list-step", "int-tag", "bytes-tag"],
+)
+def test_bad_value_step_or_tag_is_a_metric_error(metric_env, tag, value, step, names):
+    path = metric_env("bad")
+    with pytest.raises(MetricError, match=names):
+        hypertune.report(tag, value, step=step)
+    assert not path.exists()
+
+
+def _unwritable(tmp_path: Path) -> list[str]:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    directory = tmp_path / "a_dir"
+    directory.mkdir()
+    return [str(blocker / "output.metrics"), str(directory)]
+
+
+@pytest.mark.parametrize("case", [0, 1])
+def test_unwritable_metric_file_is_a_config_error_and_leaves_nothing(metric_env, monkeypatch, tmp_path, case):
+    metric_env("x")
+    target = _unwritable(tmp_path)[case]
+    monkeypatch.setenv("CLOUD_ML_HP_METRIC_FILE", target)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    with pytest.raises(ConfigError, match="CLOUD_ML_HP_METRIC_FILE") as info:
+        hypertune.report("accuracy", 0.5)
+    assert target in str(info.value)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no .tmp file left behind
+    monkeypatch.setenv("CLOUD_ML_HP_METRIC_FILE", str(tmp_path / "ok" / "output.metrics"))
+    assert hypertune.report("accuracy", 0.6) is True  # the failed report was not queued
+    assert len((tmp_path / "ok" / "output.metrics").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "stray",
+    [{"WORLD_SIZE": "1"}, {"LOCAL_RANK": "0"}, {"TORCHELASTIC_RUN_ID": "none"}, {"RANK": "zero"}],
+)
+def test_stray_cluster_variables_never_stop_a_report(metric_env, clean_env, monkeypatch, caplog, stray):
+    path = metric_env("stray")
+    monkeypatch.setattr(hypertune, "_warned_world", False, raising=False)
+    for name, value in stray.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.WARNING, logger="vertexrt.hypertune"):
+        assert hypertune.report("accuracy", 0.5) is True
+        assert hypertune.report("accuracy", 0.6) is True
+    assert len(path.read_text().splitlines()) == 2  # written, as cloudml-hypertune would
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "cannot tell this process's rank" in warning and "writing the metric anyway" in warning
+
+
 def test_warns_when_tag_differs_from_study_metric(metric_env, monkeypatch, caplog):
     metric_env("tag")
     monkeypatch.setenv("CLOUD_ML_HP_METRIC_TAG", "val_accuracy")
@@ -167,18 +229,10 @@ _WORKER = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_only_torch_rank0_reports(tmp_path):
     pytest.importorskip("torch")
-    port = str(_free_port())
+    port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG", "RANK")}
     procs = [
         subprocess.Popen(
@@ -269,3 +323,17 @@ def test_add_job_dir_is_idempotent():
     parser = hypertune.add_job_dir(hypertune.add_job_dir(argparse.ArgumentParser()))
     assert parser.parse_args(["--job_dir", "/tmp/x"]).job_dir == "/tmp/x"
     assert parser.parse_args([]).job_dir is None
+
+
+def test_a_restarted_trial_keeps_its_earlier_reports_beside_the_metric_file(metric_env, monkeypatch) -> None:
+    path = metric_env("restarted")
+    earlier = Path(f"{path}.earlier")
+    assert hypertune.report("accuracy", 0.5, step=1)
+    first = path.read_text()
+    monkeypatch.setattr(hypertune, "_queues", {})  # the restarted process starts with nothing in memory
+    assert hypertune.report("accuracy", 0.7, step=2)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 and '"accuracy": "0.7"' in lines[0]  # what cloudml-hypertune would write
+    assert hypertune.earlier_file() == str(earlier) and earlier.read_text() == first
+    assert hypertune.report("accuracy", 0.8, step=3)  # same process: nothing more is moved aside
+    assert earlier.read_text() == first

@@ -66,7 +66,30 @@ TRAIN = textwrap.dedent(
 )
 
 
-def _run(tmp_path: Path, name: str, ckpt_dir: str, kill_at: int, legacy: bool, epochs: int = 3):
+# The same training fed by a vertexrt reader through CheckpointCallback(data=...).as_tf(): 100 records per
+# data epoch, 16 per step (6.25 steps), 5 steps per Keras epoch: nothing lines up, and no skip arithmetic.
+TRAIN_READER = TRAIN.replace(
+    "ckpt = vk.CheckpointCallback(manager)\n",
+    "from vertexrt.data import open_dataset\n"
+    "reader = open_dataset(os.environ['DATA_URI'], shuffle=True, seed=3, shuffle_buffer=32)\n"
+    "ckpt = vk.CheckpointCallback(manager, data=reader)\n",
+).replace(
+    "data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(96, seed=1).batch(16)\n"
+    "data = data.repeat().skip(position.step)\n",
+    "data = ckpt.as_tf(16).map(lambda b: (b['x'], b['y']))\n",
+)
+assert TRAIN_READER.count("ckpt.as_tf") == 1 and "open_dataset" in TRAIN_READER
+
+
+def _run(
+    tmp_path: Path,
+    name: str,
+    ckpt_dir: str,
+    kill_at: int,
+    legacy: bool,
+    epochs: int = 3,
+    data_uri: str | None = None,
+):
     """Start one training process; returns (process, result file, metric file)."""
     env = dict(os.environ)
     env.update(
@@ -78,8 +101,11 @@ def _run(tmp_path: Path, name: str, ckpt_dir: str, kill_at: int, legacy: bool, e
     for var in ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR"):
         env.pop(var, None)
     out = tmp_path / f"{name}.json"
+    script = TRAIN
+    if data_uri is not None:
+        env["DATA_URI"], script = data_uri, TRAIN_READER
     proc = subprocess.Popen(
-        [sys.executable, "-c", TRAIN, ckpt_dir, str(out), str(kill_at), str(epochs)],
+        [sys.executable, "-c", script, ckpt_dir, str(out), str(kill_at), str(epochs)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -144,6 +170,36 @@ def test_keras3_resumes_at_epoch_boundary_exactly(tmp_path):
     _preempt_and_resume(tmp_path, str(tmp_path / "ckpt"), legacy=False)
 
 
+def _write_records(path: Path, rows: int = 100) -> str:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 4)).round(4)
+    lines = [json.dumps({"x": row.tolist(), "y": int(row[0] + row[1] > 0)}) for row in x]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("legacy", [True, False], ids=["tf_keras", "keras3"])
+def test_reader_position_is_checkpointed_and_restored(tmp_path, legacy):
+    """CheckpointCallback(data=reader): the checkpoint holds the reader's place and a restart continues with
+    the next record not trained on: the same records, hence the same weights, as an uninterrupted run
+    (tf-keras mid-epoch; Keras 3 at an epoch boundary)."""
+    if legacy:
+        pytest.importorskip("tf_keras")
+    uri = _write_records(tmp_path / "train.jsonl")
+    kill_at = 7 if legacy else 4
+    full = _run(tmp_path, "full", str(tmp_path / "full"), -1, legacy, data_uri=uri)
+    first = _run(tmp_path, "first", str(tmp_path / "ckpt"), kill_at, legacy, data_uri=uri)
+    reference = _finish(*full[:2], expect=0)
+    assert _finish(*first[:2], expect=PREEMPTED)["iterations"] == kill_at + 1
+    resumed = _finish(*_run(tmp_path, "second", str(tmp_path / "ckpt"), -1, legacy, data_uri=uri)[:2], 0)
+    assert resumed["position"] == ([1, 3, 8] if legacy else [1, 0, 5])
+    assert resumed["iterations"] == reference["iterations"] == 15
+    assert resumed["weights"] == reference["weights"]  # bit for bit
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -191,3 +247,74 @@ def test_example_multiworker_preempted_then_resumed(tmp_path):
     assert (base / "model" / "model.keras").exists()
     steps = [json.loads(line)["global_step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == "3"
+
+
+OUTPUTS = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np
+    import tensorflow as tf
+    from vertexrt import keras as vk, paths
+
+    root, out = sys.argv[1], sys.argv[2]
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int64")
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    board = vk.TensorBoard(paths.join(root, "logs"), upload_interval=3600)
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[board])
+    where = vk.export(model, paths.join(root, "model"))
+    fs, base = paths.filesystem(root)
+    with open(out, "w") as f:
+        json.dump({"where": where, "files": sorted(p[len(base):] for p in fs.find(base)),
+                   "scratch": board.log_dir}, f)
+    """
+)
+
+
+def _outputs(tmp_path: Path, root: str, **env_vars: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG")}
+    env.update(TF_CPP_MIN_LOG_LEVEL="2", **env_vars)
+    out = tmp_path / "outputs.json"
+    proc = subprocess.run(
+        [sys.executable, "-c", OUTPUTS, root, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_tensorboard_and_export_reach_the_output_dirs(tmp_path, storage_root):
+    """vk.TensorBoard writes Keras's events locally and uploads them (gs:// against the emulator too);
+    vk.export lands the chief's model.keras in the model dir."""
+    result = _outputs(tmp_path, storage_root)
+    files = result["files"]
+    assert result["where"] == storage_root.rstrip("/") + "/model/model.keras"
+    assert "/model/model.keras" in files
+    assert any(f.startswith("/logs/train/events.out.tfevents") for f in files), files
+    assert any(f.startswith("/logs/validation/") for f in files) is False  # no validation data
+    train_events = next(f for f in files if f.startswith("/logs/train/"))
+    from vertexrt import paths
+
+    with paths.open(storage_root.rstrip("/") + train_events, "rb") as f:
+        assert b"epoch_loss" in f.read()  # what Keras logged, uploaded after fit
+
+
+@pytest.mark.slow
+def test_non_chief_saves_but_writes_nothing_to_the_output_dirs(tmp_path):
+    """A non-chief worker runs model.save() (MWMS needs every worker to) and the TensorBoard callback, but
+    nothing of it lands in the model or log dir, and its scratch directory is removed."""
+    tf_config = {
+        "cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"]},
+        "task": {"type": "worker", "index": 0},
+    }
+    root = tmp_path / "root"
+    root.mkdir()
+    result = _outputs(tmp_path, str(root), TF_CONFIG=json.dumps(tf_config))
+    assert result["files"] == []
+    assert result["where"] == str(root / "model" / "model.keras")
+    assert not os.path.exists(result["scratch"])

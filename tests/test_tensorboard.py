@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+import uuid
 
 import pytest
 
 from vertexrt import hypertune, paths, tensorboard
+from vertexrt.errors import ConfigError
+from vertexrt.tensorboard import writer
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -130,3 +134,59 @@ def test_non_chief_writes_nothing(monkeypatch, tmp_path):
 def test_unknown_backend_is_a_config_error(tmp_path):
     with pytest.raises(ValueError, match="unknown backend 'mxnet'"):
         tensorboard.writer(str(tmp_path), backend="mxnet", chief_only=False)
+
+
+def test_files_backend_uploads_what_another_writer_wrote_and_adds_no_run_of_its_own(storage_root):
+    """Keras's TensorBoard callback writes the events; the files backend only stages and uploads them."""
+    target = storage_root.rstrip("/") + "/files-backend"
+    tb = writer(target, backend="files", chief_only=False)
+    os.makedirs(os.path.join(tb.local_dir, "train"), exist_ok=True)
+    with open(os.path.join(tb.local_dir, "train", "events.out.tfevents.1"), "wb") as f:
+        f.write(b"written by another writer")
+    with pytest.raises(ConfigError, match="no scalar"):
+        tb.scalar("loss", 1.0, 0)
+    tb.close()
+    fs, path = paths.filesystem(target)
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.find(path))
+    assert names == ["events.out.tfevents.1"]  # nothing in the root: no empty run "."
+
+
+def test_a_delta_whose_cleanup_failed_is_not_appended_twice(gcs_server, fault_proxy):
+    # The delta was composed onto the object, then deleting the delta object failed: the upload was not
+    # recorded, and the next sync appended the same events again (duplicated steps in TensorBoard).
+    target = f"gs://{gcs_server.bucket}/tb-cleanup-{uuid.uuid4().hex}/logs"
+    tb = writer(target, backend="files", chief_only=False, upload_interval=3600)
+    events = os.path.join(tb.local_dir, "events.out.tfevents.1")
+    with open(events, "wb") as f:
+        f.write(b"A" * 10)
+    tb.flush()
+    with open(events, "ab") as f:
+        f.write(b"B" * 10)
+    fault_proxy.set("cut", match=r"^DELETE [^\r\n]*vertexrt-part")  # the delete happens, its answer is lost
+    with contextlib.suppress(OSError):
+        tb.flush()
+    fault_proxy.set("pass")
+    tb.close()
+    fs, path = paths.filesystem(target)
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{path}/events.out.tfevents.1") == b"A" * 10 + b"B" * 10
+
+
+def test_a_compose_whose_answer_was_lost_is_not_appended_twice(gcs_server, fault_proxy):
+    # The compose of B landed but its answer was lost; by the retry the writer had added C. The retry
+    # compared the object's size with the grown delta and appended B a second time.
+    target = f"gs://{gcs_server.bucket}/tb-compose-{uuid.uuid4().hex}/logs"
+    tb = writer(target, backend="files", chief_only=False, upload_interval=3600)
+    events = os.path.join(tb.local_dir, "events.out.tfevents.1")
+    for chunk in (b"A", b"B", b"C"):
+        with open(events, "ab") as f:
+            f.write(chunk * 10)
+        if chunk == b"B":
+            fault_proxy.set("cut", count=1, match=r"^POST [^\r\n]*/compose")  # composed, the answer is lost
+        with contextlib.suppress(Exception):
+            tb.flush()
+    tb.close()
+    assert fault_proxy.handled["cut"] == 1
+    fs, path = paths.filesystem(target)
+    fs.invalidate_cache()
+    assert fs.cat_file(f"{path}/events.out.tfevents.1") == b"A" * 10 + b"B" * 10 + b"C" * 10

@@ -10,7 +10,7 @@ Example:
 
 from __future__ import annotations
 
-import importlib
+from vertexrt._lazy import lazy_exports
 
 TYPE_CHECKING = False  # not `from typing import ...`: importing typing costs ~10 ms
 
@@ -19,17 +19,21 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
     "VertexrtError": "vertexrt.errors",
+    "VertexrtWarning": "vertexrt.errors",
     "ConfigError": "vertexrt.errors",
     "ClusterSpecError": "vertexrt.errors",
+    "PreflightError": "vertexrt.errors",
+    "ClusterSpecWarning": "vertexrt.errors",
     "PathError": "vertexrt.errors",
     "DataError": "vertexrt.errors",
     "CheckpointError": "vertexrt.errors",
+    "CheckpointCorruptError": "vertexrt.errors",
     "MetricError": "vertexrt.errors",
     "Environment": "vertexrt.env",
     "environment": "vertexrt.env",
     "project_id": "vertexrt.env",
-    "storage_options": "vertexrt.env",
-    "bigquery_client": "vertexrt.env",
+    "storage_options": "vertexrt.clients",
+    "bigquery_client": "vertexrt.clients",
     "main": "vertexrt.runtime",
     "Context": "vertexrt.runtime",
     "Trainer": "vertexrt.runtime",
@@ -50,14 +54,19 @@ _EXPORTS: dict[str, str] = {
     "tf_config": "vertexrt.distributed",
     "open_dataset": "vertexrt.data",
     "TFRecordWriter": "vertexrt.data",
+    "profile": "vertexrt.runtime.profiling",
 }
 
+#: Submodules reachable as attributes (``vertexrt.paths``), imported on first use.
 _SUBMODULES = (
     "checkpoint",
     "cli",
+    "clients",
     "data",
     "devices",
+    "diagnostics",
     "distributed",
+    "doctor",
     "emulator",
     "env",
     "errors",
@@ -66,12 +75,87 @@ _SUBMODULES = (
     "paths",
     "runtime",
     "tensorboard",
+    "uris",
 )
 
-__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+# Literal, so that type checkers see the exports (mypy --strict: "does not explicitly export" otherwise).
+# ``from vertexrt import *`` imports every name listed here, so it lists no module that needs an optional
+# framework: ``keras`` (TensorFlow) stays an attribute, ``vertexrt.keras``.
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointManager",
+    "Cluster",
+    "ClusterSpecError",
+    "ClusterSpecWarning",
+    "ConfigError",
+    "Context",
+    "DataError",
+    "Environment",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "KeepBest",
+    "KeepEveryNSteps",
+    "KeepLast",
+    "MetricError",
+    "PathError",
+    "Preempted",
+    "PreflightError",
+    "TFRecordWriter",
+    "Trainer",
+    "VertexrtError",
+    "VertexrtWarning",
+    "bigquery_client",
+    "checkpoint",
+    "cli",
+    "clients",
+    "cluster",
+    "data",
+    "devices",
+    "diagnostics",
+    "distributed",
+    "doctor",
+    "emulator",
+    "env",
+    "environment",
+    "errors",
+    "hypertune",
+    "init_torch",
+    "main",
+    "open_dataset",
+    "paths",
+    "profile",
+    "project_id",
+    "rng_state",
+    "runtime",
+    "setup_tensorflow",
+    "spawn",
+    "storage_options",
+    "tensorboard",
+    "tf_config",
+    "uris",
+    "world_info",
+]
 
 if TYPE_CHECKING:
-    from vertexrt.checkpoint import (  # noqa: F401
+    from vertexrt import (
+        checkpoint,
+        cli,
+        clients,
+        data,
+        devices,
+        diagnostics,
+        distributed,
+        emulator,
+        env,
+        errors,
+        hypertune,
+        paths,
+        runtime,
+        tensorboard,
+        uris,
+    )
+    from vertexrt.checkpoint import (
         CheckpointManager,
         EveryNSeconds,
         EveryNSteps,
@@ -80,8 +164,9 @@ if TYPE_CHECKING:
         KeepLast,
         rng_state,
     )
-    from vertexrt.data import TFRecordWriter, open_dataset  # noqa: F401
-    from vertexrt.distributed import (  # noqa: F401
+    from vertexrt.clients import bigquery_client, storage_options
+    from vertexrt.data import TFRecordWriter, open_dataset
+    from vertexrt.distributed import (
         Cluster,
         cluster,
         init_torch,
@@ -90,35 +175,22 @@ if TYPE_CHECKING:
         tf_config,
         world_info,
     )
-    from vertexrt.env import (  # noqa: F401
-        Environment,
-        bigquery_client,
-        environment,
-        project_id,
-        storage_options,
-    )
-    from vertexrt.errors import (  # noqa: F401
+    from vertexrt.env import Environment, environment, project_id
+    from vertexrt.errors import (
+        CheckpointCorruptError,
         CheckpointError,
         ClusterSpecError,
+        ClusterSpecWarning,
         ConfigError,
         DataError,
         MetricError,
         PathError,
+        PreflightError,
         VertexrtError,
+        VertexrtWarning,
     )
-    from vertexrt.runtime import Context, Preempted, Trainer, main  # noqa: F401
+    from vertexrt.runtime import Context, Preempted, Trainer, main
+    from vertexrt.runtime.profiling import profile
 
 
-def __getattr__(name: str) -> object:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"vertexrt.{name}")
-    else:
-        raise AttributeError(f"module 'vertexrt' has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _SUBMODULES, [*__all__, "__version__"])

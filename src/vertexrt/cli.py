@@ -1,7 +1,8 @@
-"""The ``vertexrt`` command: ``info``, ``gcs-server`` and ``local-run``.
+"""The ``vertexrt`` command: ``info``, ``doctor``, ``gcs-server`` and ``local-run``.
 
 Example:
     $ vertexrt info --json
+    $ vertexrt doctor            # exit status 1 when a fatal problem would stop the job
     $ vertexrt gcs-server --bucket my-bucket
     $ vertexrt local-run --workers 2 -- python train.py --lr=0.1
 """
@@ -18,6 +19,8 @@ from warnings import catch_warnings, simplefilter
 
 from vertexrt.errors import VertexrtError
 
+_MAX_SHOWN = 2000
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``vertexrt`` console script."""
@@ -27,6 +30,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     info = commands.add_parser("info", help="print the Vertex contract this process sees")
     info.add_argument("--json", action="store_true", help="machine-readable output")
     info.set_defaults(run=_info)
+
+    doctor = commands.add_parser(
+        "doctor", help="check outputs, mounts, credentials, data, GPUs, shared memory, disk and NCCL"
+    )
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--timeout", type=float, default=10.0, help="seconds for all checks together (default 10)"
+    )
+    doctor.set_defaults(run=_doctor)
 
     server = commands.add_parser("gcs-server", help="run a local GCS-compatible server until interrupted")
     server.add_argument("--port", type=int, default=None)
@@ -57,23 +69,40 @@ def _fail(message: str) -> int:
 
 
 def info_report() -> dict[str, Any]:
-    """What ``vertexrt info`` shows: environment, cluster, raw variables and warnings."""
+    """What ``vertexrt info`` shows: environment, cluster, raw variables and warnings.
+
+    It reports, never raises: whatever reading the contract raises becomes a warning. URIs are shown with
+    embedded credentials masked (:func:`vertexrt.paths.redact`).
+
+    Example:
+        >>> info_report()["warnings"]
+        []
+    """
     import os
 
-    from vertexrt.diagnostics import contract_warnings
     from vertexrt.env import CONTRACT_VARIABLES, environment
 
     report: dict[str, Any] = {"environment": None, "cluster": None, "variables": {}, "warnings": []}
-    report["variables"] = {name: os.environ[name] for name in CONTRACT_VARIABLES if name in os.environ}
+    report["local_run"] = bool(os.environ.get("VERTEXRT_LOCAL_RUN"))
+    warnings: list[str] = report["warnings"]
+    report["variables"] = {
+        name: _shown(os.environ[name]) for name in CONTRACT_VARIABLES if name in os.environ
+    }
     try:
         env = environment()
+    except Exception as err:  # noqa: BLE001 - info reports whatever the library raises
+        warnings.append(_problem("the environment", err))
+    else:
         fields = env.as_dict()
         del fields["variables"]
-        report["environment"] = fields | {"on_vertex": env.on_vertex}
-    except VertexrtError as err:
-        report["warnings"].append(str(err))
-    report["cluster"] = _cluster_summary(report["warnings"])
-    report["warnings"] += contract_warnings()
+        report["environment"] = {k: _shown(v) for k, v in fields.items()} | {"on_vertex": env.on_vertex}
+    report["cluster"] = _cluster_summary(warnings)
+    try:
+        from vertexrt.diagnostics import contract_warnings
+
+        warnings += contract_warnings()
+    except Exception as err:  # noqa: BLE001
+        warnings.append(_problem("the contract checks", err))
     return report
 
 
@@ -83,12 +112,36 @@ def _cluster_summary(warnings: list[str]) -> dict[str, Any] | None:
     with catch_warnings(record=True) as caught:  # CLUSTER_SPEC / TF_CONFIG / RANK disagreements
         simplefilter("always")
         try:
-            summary = cluster().summary()
-        except VertexrtError as err:
+            summary: dict[str, Any] | None = cluster().summary()
+        except Exception as err:  # noqa: BLE001 - info reports whatever the library raises
             summary = None
-            warnings.append(str(err))
-    warnings.extend(str(w.message) for w in caught)
+            warnings.append(
+                _problem(
+                    "the cluster (CLUSTER_SPEC, TF_CONFIG, MASTER_ADDR/MASTER_PORT, RANK/WORLD_SIZE)", err
+                )
+            )
+    warnings.extend(_shown(str(w.message)) for w in caught)
     return summary
+
+
+def _problem(what: str, err: Exception) -> str:
+    """A warning line for ``err``; an error that is not a VertexrtError is named by its type."""
+    text = (
+        str(err)
+        if isinstance(err, VertexrtError)
+        else f"{what} could not be read: {type(err).__name__}: {err}"
+    )
+    return _shown(text)
+
+
+def _shown(value: Any) -> Any:
+    """``value`` with credentials in URIs masked and long text cut, for printing."""
+    if not isinstance(value, str):
+        return value
+    from vertexrt.paths import redact
+
+    text = " ".join(redact(word) for word in value.split(" "))
+    return text if len(text) <= _MAX_SHOWN else f"{text[:_MAX_SHOWN]}... ({len(text)} characters)"
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -109,9 +162,24 @@ def _info(args: argparse.Namespace) -> int:
         print(f"  {key}={value}")
     if report["environment"] and not report["environment"]["on_vertex"]:
         print("note: not inside a Vertex job (no CLOUD_ML_JOB_ID or CLUSTER_SPEC): a local run")
+    elif report["local_run"]:
+        print("note: a `vertexrt local-run` simulation of a Vertex job: outputs stay on this machine")
     for warning in report["warnings"]:
         print(f"warning: {warning}")
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from vertexrt.doctor import check, render
+
+    if not 0 < args.timeout <= 600:
+        return _fail(f"--timeout {args.timeout:g}: give a number of seconds > 0 and <= 600")
+    findings = check(timeout=args.timeout)
+    if args.json:
+        print(json.dumps([f.as_dict() for f in findings], indent=2))
+    else:
+        print(render(findings))
+    return 1 if any(f.severity == "fatal" for f in findings) else 0
 
 
 def _gcs_server(args: argparse.Namespace) -> int:

@@ -23,9 +23,11 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vertexrt.distributed.detection import world_info
 from vertexrt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+_warned_unused: set[tuple[int, int]] = set()
 
 #: NCCL settings applied (only where unset) before an NCCL process group starts.
 NCCL_DEFAULTS: dict[str, str] = {
@@ -50,7 +52,9 @@ class GPU:
 def select_device(local_rank: int, local_world_size: int, num_gpus: int) -> str:
     """The device string for one process: ``"cpu"``, or ``"cuda:<local_rank>"`` among the visible GPUs.
 
-    One process per node uses ``cuda:0`` and may drive all visible GPUs (e.g. TF ``MirroredStrategy``).
+    One process per node uses ``cuda:0`` and may drive all visible GPUs (e.g. TF ``MirroredStrategy``). A
+    process whose ``CUDA_VISIBLE_DEVICES`` names exactly one GPU (a wrapper gave each process its own) uses
+    ``cuda:0`` too, whatever its local rank.
 
     Raises:
         ConfigError: more processes on the node than visible GPUs.
@@ -59,7 +63,7 @@ def select_device(local_rank: int, local_world_size: int, num_gpus: int) -> str:
         raise ConfigError(f"local_rank={local_rank} is out of range for local_world_size={local_world_size}")
     if num_gpus <= 0:
         return "cpu"
-    if local_world_size == 1:
+    if local_world_size == 1 or (num_gpus == 1 and _one_gpu_of_its_own(local_world_size)):
         return "cuda:0"
     if local_world_size > num_gpus:
         raise ConfigError(
@@ -68,6 +72,16 @@ def select_device(local_rank: int, local_world_size: int, num_gpus: int) -> str:
             "process per GPU, e.g. vertexrt.distributed.spawn(fn, nprocs='gpu')"
         )
     return f"cuda:{local_rank}"
+
+
+def _one_gpu_of_its_own(local_world_size: int) -> bool:
+    """This process sees one GPU through ``CUDA_VISIBLE_DEVICES`` and the node has a GPU for each of its
+    processes (nvidia-smi lists every physical GPU; without it, the wrapper is trusted)."""
+    tokens = visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+    if tokens is None or len(tokens) != 1:
+        return False
+    physical = _nvidia_smi_inventory()
+    return not physical or len(physical) >= local_world_size
 
 
 def visible_devices(value: str | None) -> list[str] | None:
@@ -168,6 +182,35 @@ def _nvidia_smi_inventory() -> list[GPU]:
     return parse_nvidia_smi(out)
 
 
+def warn_unused_gpus(local_world_size: int | None = None, num_gpus: int | None = None) -> bool:
+    """Warn (once per process and shape) when this node has more visible GPUs than training processes, so
+    some GPUs sit idle; returns whether that is the case. Defaults: ``world_info().local_world_size`` and
+    :func:`gpu_count`. (One TF ``MirroredStrategy`` process drives every GPU: do not call it there.)
+
+    Example:
+        >>> warn_unused_gpus(local_world_size=1, num_gpus=8)  # doctest: +SKIP
+        True
+    """
+    processes = world_info().local_world_size if local_world_size is None else local_world_size
+    gpus = gpu_count() if num_gpus is None else num_gpus
+    if processes >= gpus:
+        return False
+    if (processes, gpus) not in _warned_unused:
+        _warned_unused.add((processes, gpus))
+        logger.warning(
+            "%d GPUs are visible (CUDA_VISIBLE_DEVICES=%s) but this node runs %d training process(es), each "
+            "using one GPU: %d GPU(s) stay idle. Start one process per GPU: `vertexrt local-run "
+            "--processes-per-node %d`, vertexrt.distributed.spawn(fn, nprocs='gpu'), or `torchrun "
+            "--nproc-per-node=gpu`.",
+            gpus,
+            os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"),
+            processes,
+            gpus - processes,
+            gpus,
+        )
+    return True
+
+
 def apply_nccl_defaults(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set each of :data:`NCCL_DEFAULTS` that is unset; returns what was set."""
     env: MutableMapping[str, str] = os.environ if environ is None else environ
@@ -177,15 +220,17 @@ def apply_nccl_defaults(environ: MutableMapping[str, str] | None = None) -> dict
 
 
 def torch_device(local_rank: int | None = None, local_world_size: int | None = None) -> Any:
-    """The ``torch.device`` for this process (local rank from :func:`vertexrt.distributed.cluster`)."""
+    """The ``torch.device`` for this process (local rank from :func:`vertexrt.distributed.world_info`); warns
+    when visible GPUs would sit idle (see :func:`warn_unused_gpus`)."""
     import torch
 
     if local_rank is None or local_world_size is None:
-        from vertexrt.distributed import cluster
-
-        current = cluster()
-        local_rank, local_world_size = current.local_rank, current.local_world_size
-    return torch.device(select_device(local_rank, local_world_size, torch.cuda.device_count()))
+        me = world_info()
+        local_rank, local_world_size = me.local_rank, me.local_world_size
+    num_gpus = torch.cuda.device_count()
+    device = torch.device(select_device(local_rank, local_world_size, num_gpus))
+    warn_unused_gpus(local_world_size, num_gpus)
+    return device
 
 
 def tf_memory_growth(enabled: bool = True) -> int:

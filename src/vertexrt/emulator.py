@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,7 +22,9 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable
 from types import TracebackType
+from typing import Any
 
+from vertexrt._net import free_port
 from vertexrt.errors import ConfigError
 
 
@@ -44,13 +45,6 @@ def find_binary() -> str:
     if not os.access(binary, os.X_OK):
         os.chmod(binary, 0o755)
     return binary
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _die_with_parent() -> None:
@@ -114,14 +108,7 @@ class GCSServer:
     def stop(self, grace: float = 3.0) -> None:
         """Stop the server: SIGTERM, then SIGKILL if it lingers."""
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(grace)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        terminate(process, grace)
 
     def __enter__(self) -> GCSServer:
         return self.start() if self._process is None else self
@@ -130,3 +117,15 @@ class GCSServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def terminate(process: subprocess.Popen[Any] | None, grace: float) -> None:
+    """End a local server process: SIGTERM, then SIGKILL when it is still there after ``grace`` seconds."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -7,7 +7,7 @@ Example:
     >>> env = vertexrt.environment()
     >>> env.model_dir            # AIP_MODEL_DIR on Vertex, ./vertexrt_output/local/model elsewhere
     '...'
-    >>> client = vertexrt.bigquery_client()   # bound to CLOUD_ML_PROJECT_ID, never the tenant project
+    >>> vertexrt.project_id()   # CLOUD_ML_PROJECT_ID on Vertex, never the VM's tenant project
 """
 
 from __future__ import annotations
@@ -23,16 +23,14 @@ if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
     from typing import Any
 
-    from google.cloud import bigquery
-
-#: The variables of the platform contract, shown by ``vertexrt info``.
-CONTRACT_VARIABLES = (
+#: Variables the platform sets for each job and replica. ``vertexrt local-run`` sets its own and drops these
+#: (and any name under :data:`PLATFORM_PREFIXES`) from the environment it inherits: see
+#: :func:`is_platform_variable`.
+PLATFORM_VARIABLES = (
     "CLOUD_ML_PROJECT_ID",
     "CLOUD_ML_REGION",
     "CLOUD_ML_JOB_ID",
     "CLOUD_ML_TRIAL_ID",
-    "CLOUD_ML_HP_METRIC_FILE",
-    "CLOUD_ML_HP_METRIC_TAG",
     "AIP_MODEL_DIR",
     "AIP_CHECKPOINT_DIR",
     "AIP_TENSORBOARD_LOG_DIR",
@@ -53,13 +51,43 @@ CONTRACT_VARIABLES = (
     "TORCHELASTIC_RUN_ID",
     "VERTEXRT_WORKERPOOL2",
     "VERTEXRT_LOCAL_RUN",
+    "VERTEXRT_LOCAL_RUN_ID",
+)
+PLATFORM_PREFIXES = ("AIP_", "CLOUD_ML_", "TORCHELASTIC_", "ROLE_")
+#: Variables the user sets to configure vertexrt and the cloud clients (kept by ``local-run``).
+SETTING_VARIABLES = (
+    "CLOUD_ML_HP_METRIC_FILE",
+    "CLOUD_ML_HP_METRIC_TAG",
     "GOOGLE_CLOUD_PROJECT",
     "CLOUDSDK_CORE_PROJECT",
+    "GOOGLE_CLOUD_REGION",
+    "GOOGLE_APPLICATION_CREDENTIALS",
     "STORAGE_EMULATOR_HOST",
     "BIGQUERY_EMULATOR_HOST",
     "VERTEXRT_LOCAL_DIR",
     "VERTEXRT_FUSE_ROOT",
+    "VERTEXRT_PREFER_FUSE",
 )
+#: The variables of the contract, shown by ``vertexrt info``.
+CONTRACT_VARIABLES = PLATFORM_VARIABLES + SETTING_VARIABLES
+
+#: Longest accepted value of a scalar variable, and of a JSON one (CLUSTER_SPEC, TF_CONFIG).
+MAX_VALUE_CHARS = 4096
+MAX_JSON_CHARS = 1 << 20
+_MAX_ID_CHARS = 128
+
+
+def is_platform_variable(name: str) -> bool:
+    """True for a variable the platform sets per job (a local launch must not inherit it).
+
+    Example:
+        >>> is_platform_variable("AIP_MODEL_DIR"), is_platform_variable("CLOUD_ML_HP_METRIC_FILE")
+        (True, False)
+    """
+    if name in SETTING_VARIABLES:
+        return False
+    return name in PLATFORM_VARIABLES or name.startswith(PLATFORM_PREFIXES)
+
 
 _OUTPUT_DIRS = {
     "model": "AIP_MODEL_DIR",
@@ -131,8 +159,14 @@ class Environment:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in _FIELDS if name != "variables")
-        return f"Environment({shown})"
+        """The fields, with credentials embedded in URIs masked (safe to log)."""
+        from vertexrt.uris import redact
+
+        def shown(value: object) -> str:
+            return repr(redact(value) if isinstance(value, str) else value)
+
+        fields = ", ".join(f"{name}={shown(getattr(self, name))}" for name in _FIELDS if name != "variables")
+        return f"Environment({fields})"
 
     @property
     def on_vertex(self) -> bool:
@@ -152,7 +186,7 @@ def environment() -> Environment:
             names the variable and its value.
     """
     environ = os.environ
-    job_id = _optional(environ, "CLOUD_ML_JOB_ID")
+    job_id = _path_segment("CLOUD_ML_JOB_ID", _optional(environ, "CLOUD_ML_JOB_ID"))
     trial_id = _trial_id(environ)
     job_dir = job_dir_from_argv(sys.argv[1:])
     base = _fallback_base(job_id, trial_id, job_dir)
@@ -160,7 +194,7 @@ def environment() -> Environment:
     uris = {name: _optional(environ, var) for name, var in _DATA_URIS.items()}
     return Environment(
         platform=_platform(environ),
-        project=_project_from_environ(environ),
+        project=project_from_environ(environ),
         region=_optional(environ, "CLOUD_ML_REGION") or _optional(environ, "GOOGLE_CLOUD_REGION"),
         job_id=job_id,
         trial_id=trial_id,
@@ -191,7 +225,7 @@ def project_id(explicit: str | None = None) -> str:
             raise ConfigError("project_id(explicit=...) is empty: pass a project ID or number, or None")
         return str(explicit).strip()
     environ = os.environ
-    resolved = _project_from_environ(environ)
+    resolved = project_from_environ(environ)
     if resolved:
         return resolved
     if _platform(environ) != "local":
@@ -199,6 +233,7 @@ def project_id(explicit: str | None = None) -> str:
             "CLOUD_ML_PROJECT_ID is not set inside a Vertex job, and the project cannot be taken from the "
             "VM's credentials (they name a Google-managed tenant project). Pass project=... explicitly."
         )
+    _check_credentials_file(environ)
     try:
         import google.auth
         from google.auth.exceptions import DefaultCredentialsError
@@ -215,54 +250,6 @@ def project_id(explicit: str | None = None) -> str:
         "no Google Cloud project could be resolved: set GOOGLE_CLOUD_PROJECT (or CLOUD_ML_PROJECT_ID), "
         "run `gcloud config set project ...`, or pass project=... explicitly"
     )
-
-
-def storage_options(project: str | None = None) -> dict[str, Any]:
-    """Keyword arguments for ``gcsfs.GCSFileSystem`` bound to the resolved project.
-
-    With ``STORAGE_EMULATOR_HOST`` set they point at the emulator with anonymous credentials.
-
-    Example:
-        >>> fs = gcsfs.GCSFileSystem(**vertexrt.storage_options())
-    """
-    options: dict[str, Any] = {}
-    resolved = project or _project_from_environ(os.environ)
-    if resolved:
-        options["project"] = resolved
-    emulator = emulator_endpoint()
-    if emulator:
-        options["endpoint_url"] = emulator
-        options["token"] = "anon"
-    return options
-
-
-def emulator_endpoint() -> str | None:
-    """``STORAGE_EMULATOR_HOST`` with its scheme (``http://`` added if missing), or None."""
-    host = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
-    if not host or host == "default":
-        return None
-    return host if host.startswith(("http://", "https://")) else f"http://{host}"
-
-
-def bigquery_client(project: str | None = None, **kwargs: Any) -> bigquery.Client:
-    """A ``google.cloud.bigquery.Client`` bound to :func:`project_id`.
-
-    ``BIGQUERY_EMULATOR_HOST`` (``http://host:port``) points it at a local server with anonymous
-    credentials.
-
-    Example:
-        >>> rows = vertexrt.bigquery_client().query("SELECT 1").result()
-    """
-    from google.cloud import bigquery
-
-    emulator = os.environ.get("BIGQUERY_EMULATOR_HOST", "").strip()
-    if emulator:
-        from google.auth.credentials import AnonymousCredentials
-
-        endpoint = emulator if emulator.startswith(("http://", "https://")) else f"http://{emulator}"
-        kwargs.setdefault("client_options", {"api_endpoint": endpoint})
-        kwargs.setdefault("credentials", AnonymousCredentials())
-    return bigquery.Client(project=project_id(project), **kwargs)
 
 
 def job_dir_from_argv(argv: Sequence[str]) -> str | None:
@@ -287,9 +274,18 @@ def _platform(environ: Mapping[str, str]) -> str:
     return "local"
 
 
-def _project_from_environ(environ: Mapping[str, str]) -> str | None:
+def project_from_environ(environ: Mapping[str, str] | None = None) -> str | None:
+    """The project named by the environment alone (no credentials lookup), or None.
+
+    ``CLOUD_ML_PROJECT_ID``; off Vertex also ``GOOGLE_CLOUD_PROJECT`` then ``CLOUDSDK_CORE_PROJECT``.
+
+    Example:
+        >>> project_from_environ({"CLOUD_ML_PROJECT_ID": "123456789012"})
+        '123456789012'
+    """
+    environ = os.environ if environ is None else environ
     if "CLOUD_ML_PROJECT_ID" in environ:
-        value = environ["CLOUD_ML_PROJECT_ID"].strip()
+        value = _bounded("CLOUD_ML_PROJECT_ID", environ["CLOUD_ML_PROJECT_ID"]).strip()
         if not value:
             raise ConfigError(
                 "CLOUD_ML_PROJECT_ID is set but empty: unset it or give the project number, e.g. 123456789012"
@@ -298,21 +294,59 @@ def _project_from_environ(environ: Mapping[str, str]) -> str | None:
     if _platform(environ) != "local":
         return None
     for name in ("GOOGLE_CLOUD_PROJECT", "CLOUDSDK_CORE_PROJECT"):
-        value = environ.get(name, "").strip()
+        value = _bounded(name, environ.get(name, "")).strip()
         if value:
             return value
     return None
 
 
+def _check_credentials_file(environ: Mapping[str, str]) -> None:
+    """``GOOGLE_APPLICATION_CREDENTIALS``, when set to an existing path, must be a JSON object file."""
+    path = environ.get("GOOGLE_APPLICATION_CREDENTIALS", "").strip()
+    if not path or not os.path.exists(path):
+        return  # google.auth reports a missing file as "no credentials"
+    fix = "point it at a service-account key or ADC JSON file, or unset it"
+    if not os.path.isfile(path):
+        raise ConfigError(f"GOOGLE_APPLICATION_CREDENTIALS={path!r} is not a regular file: {fix}")
+    if os.path.getsize(path) > MAX_JSON_CHARS:
+        raise ConfigError(f"GOOGLE_APPLICATION_CREDENTIALS={path!r} is over {MAX_JSON_CHARS} bytes: {fix}")
+    with open(path, "rb") as handle:
+        doc = _json_object(handle.read().decode("utf-8", "replace"))
+    if doc is None:
+        raise ConfigError(f"GOOGLE_APPLICATION_CREDENTIALS={path!r} does not hold a JSON object: {fix}")
+
+
 def _trial_id(environ: Mapping[str, str]) -> str | None:
-    trial = environ.get("CLOUD_ML_TRIAL_ID", "").strip()
+    trial = _bounded("CLOUD_ML_TRIAL_ID", environ.get("CLOUD_ML_TRIAL_ID", "")).strip()
     if trial:
-        return trial
+        return _path_segment("CLOUD_ML_TRIAL_ID", trial)
     for name in ("CLUSTER_SPEC", "TF_CONFIG"):
         task = _lenient_json(environ.get(name)).get("task")
-        if isinstance(task, dict) and str(task.get("trial") or "").strip():
-            return str(task["trial"]).strip()
+        if (
+            isinstance(task, dict)
+            and isinstance(task.get("trial"), (str, int))
+            and str(task["trial"]).strip()
+        ):
+            return _path_segment(f"{name} task.trial", str(task["trial"]).strip())
     return None
+
+
+def _path_segment(name: str, value: str | None) -> str | None:
+    """An ID that becomes one directory name of the local output layout: no ``/``, ``..`` or control bytes."""
+    if value is None:
+        return None
+    if (
+        len(value) > _MAX_ID_CHARS
+        or value in (".", "..")
+        or not all(c.isalnum() or c in "._-" for c in value)
+        or not value.isascii()
+    ):
+        shown = value if len(value) <= 80 else value[:80] + "..."
+        raise ConfigError(
+            f"{name}={shown!r} cannot name an output directory: use at most {_MAX_ID_CHARS} ASCII letters, "
+            "digits, '.', '_' or '-' (not '.' or '..')"
+        )
+    return value
 
 
 def _data_format(environ: Mapping[str, str]) -> str | None:
@@ -320,10 +354,18 @@ def _data_format(environ: Mapping[str, str]) -> str | None:
     return value.lower() if value else None
 
 
+def _bounded(name: str, value: str) -> str:
+    if len(value) > MAX_VALUE_CHARS:
+        raise ConfigError(
+            f"{name} is {len(value)} characters long (at most {MAX_VALUE_CHARS}): check its value"
+        )
+    return value
+
+
 def _optional(environ: Mapping[str, str], name: str) -> str | None:
     if name not in environ:
         return None
-    value = environ[name].strip()
+    value = _bounded(name, environ[name]).strip()
     if not value:
         raise ConfigError(f"{name} is set but empty: unset it or give it a value")
     return value
@@ -335,20 +377,21 @@ def _directory(environ: Mapping[str, str], name: str) -> str | None:
 
 
 def _validated_location(name: str, value: str) -> str:
-    """A gs:// URI or an absolute path, without its trailing slash."""
-    from vertexrt import paths
+    """A gs:// URI, a valid /gcs/ path or an absolute path, without its trailing slash."""
+    from vertexrt import uris
     from vertexrt.errors import PathError
 
-    value = value.strip()
+    value = _bounded(name, value).strip()
     if not value:
         raise ConfigError(f"{name} is empty: give a gs:// URI or an absolute path")
-    if paths.is_gcs(value):
-        try:
-            paths.split_gcs(value)
-        except PathError as err:
-            raise ConfigError(f"{name}={value!r} is not a valid gs:// URI: {err}") from None
-    elif not value.startswith("/"):
-        raise ConfigError(f"{name}={value!r} is neither a gs:// URI nor an absolute path")
+    try:
+        uris.check_text(value)
+        if uris.is_gcs(value) or uris.is_fuse(value):
+            uris.split(value)
+    except PathError as err:
+        raise ConfigError(f"{name} is not a usable location: {err}") from None
+    if not (uris.is_gcs(value) or value.startswith("/")):
+        raise ConfigError(f"{name}={uris.redact(value)!r} is neither a gs:// URI nor an absolute path")
     return value.rstrip("/") or "/"
 
 
@@ -357,9 +400,10 @@ def _fallback_base(job_id: str | None, trial_id: str | None, job_dir: str | None
     if job_dir:
         base = job_dir
     elif local is not None:
-        if not local.strip():
+        local = _bounded("VERTEXRT_LOCAL_DIR", local).strip()
+        if not local:
             raise ConfigError("VERTEXRT_LOCAL_DIR is set but empty: unset it or give a directory")
-        base = os.path.abspath(local.strip())
+        base = os.path.abspath(local)
     else:
         base = os.path.abspath(os.path.join("vertexrt_output", job_id or "local"))
     return _local_join(base, trial_id) if trial_id else base
@@ -370,13 +414,20 @@ def _local_join(base: str, name: str) -> str:
 
 
 def _lenient_json(text: str | None) -> dict[str, Any]:
-    """JSON object or {} for anything absent or malformed (the cluster model reports those)."""
-    if not text:
-        return {}
+    """The JSON object in ``text``, or {} for anything absent, malformed, too long or nested too deep.
+
+    The cluster model reports malformed values with a typed error; the environment only peeks at them.
+    """
+    return _json_object(text) or {}
+
+
+def _json_object(text: str | None) -> dict[str, Any] | None:
+    if not text or len(text) > MAX_JSON_CHARS:
+        return None
     import json
 
     try:
         value = json.loads(text)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from vertexrt.errors import MetricError
+from vertexrt.errors import ConfigError, MetricError
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +42,26 @@ MAX_ENTRIES = 100  # cloudml-hypertune keeps (and rewrites) only the last 100 re
 _lock = threading.Lock()
 _queues: dict[str, collections.deque[str]] = {}  # per metric file: its last 100 lines
 _warned_tags: set[tuple[str, str]] = set()
+_warned_world = False
 
 
 def is_chief() -> bool:
-    """Whether this process is the one that reports (rank 0).
+    """Whether this process is the one that reports (rank 0), from `vertexrt.distributed.world_info()`.
 
-    torch.distributed's rank is authoritative when it is initialised, else the cluster model
-    (`vertexrt.distributed.world_info()`); without the distributed package every process is the chief.
+    A report must never kill a training run: when the cluster variables cannot be read (a stray
+    `WORLD_SIZE`, `LOCAL_RANK` or `TORCHELASTIC_RUN_ID` alone), it warns once and answers True, so the
+    metric is written as cloudml-hypertune would write it.
     """
+    global _warned_world
+    from vertexrt.distributed import world_info
+
     try:
-        from vertexrt.distributed import world_info
-    except ImportError:
+        return bool(world_info().is_chief)
+    except ConfigError as err:
+        if not _warned_world:
+            _warned_world = True
+            logger.warning("hypertune: cannot tell this process's rank (%s); writing the metric anyway", err)
         return True
-    return bool(world_info().is_chief)
 
 
 def metric_file() -> str:
@@ -66,7 +74,7 @@ def _as_float(metric_tag: str, value: object) -> float:
         raise MetricError(f"hypertune metric {metric_tag!r}: value {value!r} is not a number; report a float")
     try:
         number = float(value)  # type: ignore[arg-type]  # int, float, numpy/torch/tf scalars
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:
         raise MetricError(
             f"hypertune metric {metric_tag!r}: value {value!r} ({type(value).__name__}) is not a number; "
             "report a float (e.g. `loss.item()`)"
@@ -77,6 +85,28 @@ def _as_float(metric_tag: str, value: object) -> float:
             "(check the training run for divergence before reporting)"
         )
     return number
+
+
+def _as_step(metric_tag: str, step: object) -> int:
+    """cloudml-hypertune's `int(step) if step else 0`, with a typed error for what `int()` refuses."""
+    if not step:
+        return 0
+    try:
+        return int(step)  # type: ignore[call-overload]
+    except (TypeError, ValueError, OverflowError) as err:
+        raise MetricError(
+            f"hypertune metric {metric_tag!r}: step={step!r} is not an integer; pass the global step "
+            "(e.g. `step=epoch`) or leave it out"
+        ) from err
+
+
+def _as_tag(metric_tag: object) -> str:
+    if not isinstance(metric_tag, str):
+        raise MetricError(
+            f"hypertune metric tag {metric_tag!r} ({type(metric_tag).__name__}) is not a string; pass the "
+            "study's metricId, e.g. report('accuracy', 0.9)"
+        )
+    return metric_tag or DEFAULT_METRIC_TAG
 
 
 def _check_tag(metric_tag: str) -> None:
@@ -92,30 +122,72 @@ def _check_tag(metric_tag: str) -> None:
         )
 
 
-def _write(path: str, lines: collections.deque[str]) -> None:
-    directory = os.path.dirname(path)
-    if directory:
-        os.makedirs(directory, exist_ok=True)
+def _write(path: str, lines: Sequence[str]) -> None:
+    """Replace `path` with `lines` atomically (a reader never sees a half-written file); nothing is left
+    behind on failure."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write("".join(lines))
-    os.replace(tmp, path)  # a reader never sees a half-written file
+    try:
+        directory = os.path.dirname(path)
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        with open(tmp, "w") as f:
+            f.write("".join(lines))
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise ConfigError(
+            f"hypertune: cannot write the metric file {path!r} (CLOUD_ML_HP_METRIC_FILE): "
+            f"{err.strerror or err}; "
+            "set CLOUD_ML_HP_METRIC_FILE to a writable file path, or unset it for the default "
+            f"{DEFAULT_METRIC_FILE}"
+        ) from err
+
+
+def earlier_file(path: str | None = None) -> str:
+    """The side file keeping an earlier attempt's reports (a restarted trial), beside the metric file."""
+    return (metric_file() if path is None else path) + ".earlier"
+
+
+def _keep_earlier(path: str) -> None:
+    """Before this process first rewrites ``path``: append what an earlier attempt left there to
+    :func:`earlier_file`, which the tuning service does not read (the metric file itself stays exactly
+    what cloudml-hypertune writes)."""
+    try:
+        with open(path, "rb") as f:
+            earlier = f.read(MAX_ENTRIES * 4096)  # bounded: at most 100 reports are ever kept there
+    except OSError:
+        return
+    if not earlier.strip():
+        return
+    side = earlier_file(path)
+    try:
+        with open(side, "ab") as f:
+            f.write(earlier if earlier.endswith(b"\n") else earlier + b"\n")
+    except OSError as err:
+        logger.warning("hypertune: cannot keep the earlier reports of %s in %s: %s", path, side, err)
+        return
+    logger.info("hypertune: %s held an earlier attempt's reports; they are kept in %s", path, side)
 
 
 def report(metric_tag: str, value: float, step: int | None = None, checkpoint_path: str = "") -> bool:
     """Report a hyperparameter-tuning metric the way cloudml-hypertune does; return whether it was written.
 
-    Writes `$CLOUD_ML_HP_METRIC_FILE` (default `/tmp/hypertune/output.metrics`) with the last 100 reports
-    of this process, one JSON object per line, trial from `$CLOUD_ML_TRIAL_ID`. Non-chief processes
-    write nothing and return False. NaN, infinite or non-numeric values raise `MetricError` (a
-    ValueError). An empty tag becomes `training/hptuning/metric`, as in cloudml-hypertune.
+    Writes `$CLOUD_ML_HP_METRIC_FILE` (default `/tmp/hypertune/output.metrics`) with the last 100 reports of
+    this process, one JSON object per line, trial from `$CLOUD_ML_TRIAL_ID`. What an earlier attempt (a
+    restarted trial) left in the file is first appended to `<file>.earlier` (see `earlier_file`). Non-chief
+    processes write nothing and return False (see `is_chief`). NaN, infinite or non-numeric values, a step
+    that is not an integer and a tag that is not a string raise `MetricError` (a ValueError); a metric file
+    that cannot be written raises `ConfigError` and leaves no temporary file. An empty tag becomes
+    `training/hptuning/metric`, as in cloudml-hypertune.
 
     Example:
         >>> report("val_accuracy", 0.93, step=1200)  # doctest: +SKIP
         True
     """
-    tag = metric_tag or DEFAULT_METRIC_TAG
+    tag = _as_tag(metric_tag)
     number = _as_float(tag, value)
+    global_step = _as_step(tag, step)
     _check_tag(tag)
     if not is_chief():
         logger.debug("hypertune metric %s=%s not reported: not the chief", tag, number)
@@ -124,14 +196,17 @@ def report(metric_tag: str, value: float, step: int | None = None, checkpoint_pa
         "timestamp": time.time(),
         "trial": str(os.environ.get("CLOUD_ML_TRIAL_ID", 0)),
         tag: str(number),
-        "global_step": str(int(step) if step else 0),
+        "global_step": str(global_step),
         "checkpoint_path": checkpoint_path,
     }
     path = metric_file()
+    line = json.dumps(entry, sort_keys=True) + "\n"  # cloudml-hypertune's exact serialisation
     with _lock:
+        if path not in _queues:
+            _keep_earlier(path)
         lines = _queues.setdefault(path, collections.deque(maxlen=MAX_ENTRIES))
-        lines.append(json.dumps(entry, sort_keys=True) + "\n")  # cloudml-hypertune's exact serialisation
-        _write(path, lines)
+        _write(path, [*list(lines)[1 - MAX_ENTRIES :], line])
+        lines.append(line)  # only once written: a failed report is not replayed later
     logger.info("hypertune metric %s=%s (step %s) -> %s", tag, number, entry["global_step"], path)
     return True
 

@@ -3,6 +3,8 @@
 ``gs://BUCKET/obj`` and ``/gcs/BUCKET/obj`` name the same object. A ``/gcs/`` path is served by the mount
 when the bucket is mounted and by the Cloud Storage API (gcsfs) otherwise, so code written for Vertex runs
 on a laptop too. ``VERTEXRT_FUSE_ROOT`` moves the mount point (a local mirror directory, or tests).
+Nothing resolves outside its bucket: ``.``/``..``/empty segments (``gs://b//etc``), NUL bytes, a mistyped
+scheme (``gs:/b``) and symlinks leading out of a mounted bucket are a :class:`~vertexrt.errors.PathError`.
 
 Example:
     >>> from vertexrt import paths
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+from vertexrt import uris
 from vertexrt.errors import PathError
 
 TYPE_CHECKING = False  # `typing` and `re` stay off the import path (~10 ms)
@@ -26,23 +29,12 @@ if TYPE_CHECKING:
 
     StorageKind = Literal["local", "fuse", "gcs"]
 
-GCS_SCHEME = "gs://"
-FUSE_PREFIX = "/gcs/"
-
-_BUCKET_EDGE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
-_BUCKET_CHARS = _BUCKET_EDGE | frozenset("._-")
-_MAX_OBJECT_BYTES = 1024
-
-
-def is_gcs(uri: str) -> bool:
-    """True for a ``gs://`` URI."""
-    return str(uri).startswith(GCS_SCHEME)
-
-
-def is_fuse(path: str) -> bool:
-    """True for a path on the Cloud Storage FUSE mount (``/gcs/BUCKET/...``)."""
-    text = str(path)
-    return text.startswith(FUSE_PREFIX) or text == FUSE_PREFIX.rstrip("/")
+GCS_SCHEME = uris.GCS_SCHEME
+FUSE_PREFIX = uris.FUSE_PREFIX
+is_gcs = uris.is_gcs
+is_fuse = uris.is_fuse
+split_gcs = uris.split_gcs
+redact = uris.redact
 
 
 def fuse_root() -> str:
@@ -50,25 +42,10 @@ def fuse_root() -> str:
     return os.environ.get("VERTEXRT_FUSE_ROOT", "/gcs").rstrip("/") or "/gcs"
 
 
-def split_gcs(uri: str) -> tuple[str, str]:
-    """``gs://bucket/a/b`` -> ``("bucket", "a/b")``; the object part may be empty.
-
-    Raises:
-        PathError: not a gs:// URI, a bucket name Cloud Storage would refuse, or a ``..`` segment.
-    """
-    text = str(uri)
-    if not is_gcs(text):
-        raise PathError(f"{text!r} is not a gs:// URI")
-    bucket, _, obj = text[len(GCS_SCHEME) :].partition("/")
-    _check_bucket(bucket, text)
-    _check_object(obj, text)
-    return bucket, obj
-
-
 def to_fuse(uri: str) -> str:
     """``gs://b/o`` -> ``/gcs/b/o`` (the logical FUSE path; a FUSE path is returned unchanged)."""
     if is_fuse(uri):
-        _split_fuse(uri)
+        uris.split_fuse(uri)
         return str(uri)
     bucket, obj = split_gcs(uri)
     return f"{FUSE_PREFIX}{bucket}/{obj}" if obj else f"{FUSE_PREFIX}{bucket}"
@@ -79,7 +56,7 @@ def to_gcs(path: str) -> str:
     if is_gcs(path):
         split_gcs(path)
         return str(path)
-    bucket, obj = _split_fuse(path)
+    bucket, obj = uris.split_fuse(path)
     return f"{GCS_SCHEME}{bucket}/{obj}" if obj else f"{GCS_SCHEME}{bucket}"
 
 
@@ -99,7 +76,7 @@ def join(base: str, *parts: str) -> str:
     if is_gcs(joined):
         split_gcs(joined)
     elif is_fuse(joined):
-        _split_fuse(joined)
+        uris.split_fuse(joined)
     return joined
 
 
@@ -109,11 +86,12 @@ def storage_kind(uri: str) -> StorageKind:
     ``"local"``: a POSIX filesystem where a directory rename is atomic. ``"fuse"``: a ``/gcs/`` path (no
     atomic directory rename). ``"gcs"``: a ``gs://`` object store.
     """
+    uris.check_text(str(uri))
     if is_gcs(uri):
         split_gcs(uri)
         return "gcs"
     if is_fuse(uri):
-        _split_fuse(uri)
+        uris.split_fuse(uri)
         return "fuse"
     return "local"
 
@@ -133,6 +111,7 @@ def filesystem(uri: str, *, prefer_fuse: bool | None = None) -> tuple[AbstractFi
     text = str(uri)
     if not text:
         raise PathError("an empty string is not a path or URI")
+    uris.check_text(text)
     if prefer_fuse is None:
         prefer_fuse = os.environ.get("VERTEXRT_PREFER_FUSE", "").lower() in ("1", "true", "yes")
     if is_gcs(text):
@@ -140,7 +119,7 @@ def filesystem(uri: str, *, prefer_fuse: bool | None = None) -> tuple[AbstractFi
         mounted = _mounted_path(bucket, obj) if prefer_fuse else None
         return (_local_fs(), mounted) if mounted else (gcs_filesystem(), f"{bucket}/{obj}".rstrip("/"))
     if is_fuse(text):
-        bucket, obj = _split_fuse(text)
+        bucket, obj = uris.split_fuse(text)
         mounted = _mounted_path(bucket, obj)
         return (_local_fs(), mounted) if mounted else (gcs_filesystem(), f"{bucket}/{obj}".rstrip("/"))
     if "://" in text and not text.startswith("file://"):
@@ -170,20 +149,20 @@ def open(  # noqa: A001 - mirrors the builtin on purpose: paths.open(uri, mode)
     if (is_gcs(text) or is_fuse(text)) and not _object_part(text):
         raise PathError(f"{text!r} names a bucket, not an object: add an object name after the bucket")
     fs, path = filesystem(text, prefer_fuse=prefer_fuse)
-    if any(flag in mode for flag in "wax") and _is_local(fs):
+    if any(flag in mode for flag in "wax") and is_local_filesystem(fs):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    if block_size is not None and not _is_local(fs):
+    if block_size is not None and not is_local_filesystem(fs):
         kwargs["block_size"] = block_size
     return fs.open(path, mode, **kwargs)  # type: ignore[no-any-return]
 
 
 def gcs_filesystem() -> AbstractFileSystem:
-    """The process's gcsfs filesystem, configured by :func:`vertexrt.env.storage_options`.
+    """The process's gcsfs filesystem, configured by :func:`vertexrt.clients.storage_options`.
 
     Against an emulator (``STORAGE_EMULATOR_HOST``) it uses gcsfs's core class: the "extended" class
     probes a gRPC control API first and stalls 60 s per operation on anything but real Cloud Storage.
     """
-    from vertexrt.env import emulator_endpoint, storage_options
+    from vertexrt.clients import emulator_endpoint, storage_options
 
     options = storage_options()
     if emulator_endpoint():
@@ -202,69 +181,151 @@ def _local_fs() -> AbstractFileSystem:
     return LocalFileSystem()
 
 
-def _is_local(fs: AbstractFileSystem) -> bool:
+def is_local_filesystem(fs: AbstractFileSystem) -> bool:
+    """True for fsspec's local filesystem (local disk, or a mounted ``/gcs/`` bucket served as files)."""
     protocol = fs.protocol
     return "file" in (protocol if isinstance(protocol, tuple) else (protocol,))
 
 
 def _mounted_path(bucket: str, obj: str) -> str | None:
+    """The file serving ``obj`` on the mount, or None when the bucket is not mounted.
+
+    ``obj`` is already validated (no ``..``, ``.`` or empty segment); the resolved path is checked again so
+    that a symlink on a local mirror cannot lead outside the bucket's directory either.
+    """
     bucket_dir = os.path.join(fuse_root(), bucket)
     if not os.path.isdir(bucket_dir):
         return None
-    return os.path.join(bucket_dir, obj) if obj else bucket_dir
-
-
-def _split_fuse(path: str) -> tuple[str, str]:
-    text = str(path)
-    if not is_fuse(text):
-        raise PathError(f"{text!r} is not a /gcs/ path")
-    bucket, _, obj = text[len(FUSE_PREFIX) :].partition("/")
-    if not bucket:
-        raise PathError(f"{text!r} has no bucket: expected /gcs/BUCKET/object")
-    _check_bucket(bucket, text)
-    _check_object(obj, text)
-    return bucket, obj
+    if not obj:
+        return bucket_dir
+    target = os.path.join(bucket_dir, obj)
+    root, resolved = os.path.realpath(bucket_dir), os.path.realpath(target)
+    if os.path.commonpath([root, resolved]) != root:
+        raise PathError(
+            f"/gcs/{bucket}/{obj} resolves to {resolved!r}, outside the mounted bucket {root!r}: remove the "
+            "symlink or use a path inside the bucket"
+        )
+    return target
 
 
 def _object_part(text: str) -> str:
-    return (split_gcs(text) if is_gcs(text) else _split_fuse(text))[1].strip("/")
+    return uris.split(text)[1].strip("/")
 
 
-def _check_bucket(bucket: str, uri: str) -> None:
-    """Cloud Storage's bucket naming rules."""
-    if not bucket:
-        raise PathError(f"{uri!r} has no bucket name: expected gs://BUCKET/object")
-    problem = None
-    if bucket != bucket.lower():
-        problem = "bucket names must be lowercase"
-    elif (
-        len(bucket) < 3
-        or not set(bucket) <= _BUCKET_CHARS
-        or bucket[0] not in _BUCKET_EDGE
-        or bucket[-1] not in _BUCKET_EDGE
-    ):
-        problem = (
-            "bucket names are 3-63 characters of a-z, 0-9, '-', '_' and '.', starting and ending with a "
-            "letter or digit"
+def upload(local_dir: str, uri: str, *, workers: int = 8) -> list[str]:
+    """Copy every file under ``local_dir`` to ``uri`` (``gs://``, ``/gcs/`` or local), ``workers`` at a time.
+
+    Returns the destinations written, sorted. A symlink leading out of ``local_dir`` is refused (it would
+    upload a file from elsewhere on the machine).
+
+    Example:
+        >>> paths.upload("outputs/model", "gs://my-bucket/run/1/model")
+        ['gs://my-bucket/run/1/model/config.json', 'gs://my-bucket/run/1/model/weights.bin']
+    """
+    return copy_tree(local_dir, uri, workers=workers)
+
+
+def download(uri: str, local_dir: str, *, workers: int = 8) -> list[str]:
+    """Copy every object under ``uri`` into ``local_dir``, ``workers`` at a time; returns the files written.
+
+    An object name that would land outside ``local_dir`` (a ``..`` or empty segment, or a symlink already in
+    ``local_dir`` leading out of it) is refused before anything is written.
+
+    Example:
+        >>> paths.download("gs://my-bucket/run/1/model", "/tmp/model")
+        ['/tmp/model/config.json', '/tmp/model/weights.bin']
+    """
+    return copy_tree(uri, local_dir, workers=workers)
+
+
+def copy_tree(source: str, destination: str, *, workers: int = 8) -> list[str]:
+    """Copy the files under ``source`` to ``destination`` (each local, ``/gcs/`` or ``gs://``).
+
+    Raises:
+        PathError: ``source`` does not exist, a name would escape either tree, or a copy failed (the message
+            names the file).
+    """
+    if not 1 <= workers <= 256:
+        raise PathError(f"workers={workers}: give a number of parallel copies from 1 to 256")
+    names = _tree_files(str(source))
+    pairs = [(join(source, name), _destination(str(destination), name)) for name in names]
+    if not pairs:
+        return []
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(workers, len(pairs)), thread_name_prefix="vertexrt-copy") as pool:
+        return sorted(pool.map(_copy_file, pairs))
+
+
+_COPY_BLOCK = 16 << 20  # >= 16 MiB blocks: gcsfs's default 5 MiB halves upload throughput
+
+
+def _copy_file(pair: tuple[str, str]) -> str:
+    import shutil
+
+    src, dst = pair
+    try:
+        with open(src, "rb") as reader, open(dst, "wb", block_size=_COPY_BLOCK) as writer:
+            shutil.copyfileobj(reader, writer, _COPY_BLOCK)
+    except PathError:
+        raise
+    except Exception as err:
+        raise PathError(
+            f"copying {redact(src)} to {redact(dst)} failed: {type(err).__name__}: {err}; check that the "
+            "destination is writable and the source readable, then copy again"
+        ) from err
+    return dst
+
+
+def _tree_files(source: str) -> list[str]:
+    """The relative names of the files under ``source``, validated, sorted."""
+    fs, root = filesystem(source)
+    if is_local_filesystem(fs):
+        if not os.path.isdir(root):
+            raise PathError(f"{source!r} is not a directory: give the directory whose files to copy")
+        names = []
+        real_root = os.path.realpath(root)
+        for folder, dirs, files in os.walk(root):
+            for entry in dirs + files:
+                full = os.path.join(folder, entry)
+                if (
+                    os.path.islink(full)
+                    and os.path.commonpath([real_root, os.path.realpath(full)]) != real_root
+                ):
+                    raise PathError(
+                        f"{full!r} is a symlink to {os.path.realpath(full)!r}, outside {source!r}: remove it "
+                        "or copy the file into the directory"
+                    )
+            names += [os.path.relpath(os.path.join(folder, f), root) for f in files]
+    else:
+        found = fs.find(root)
+        if root in found:
+            raise PathError(f"{redact(source)!r} is one object, not a prefix: copy it with paths.open")
+        if not found and not fs.exists(root):
+            raise PathError(f"{redact(source)!r} holds no objects: check the bucket and prefix")
+        names = [key[len(root) :].lstrip("/") for key in found if not key.endswith("/")]
+    for name in names:
+        _check_relative(name, source)
+    return sorted(names)
+
+
+def _check_relative(name: str, source: str) -> None:
+    segments = name.replace(os.sep, "/").split("/")
+    if "\x00" in name or any(s in ("", ".", "..") for s in segments):
+        raise PathError(
+            f"{redact(source)!r} holds {name!r}, whose '.', '..' or empty segment would be written outside "
+            "the destination: rename or remove that object"
         )
-    elif ".." in bucket or ".-" in bucket or "-." in bucket:
-        problem = "bucket names cannot contain '..', '.-' or '-.'"
-    elif len(bucket) > 222 or any(len(part) > 63 for part in bucket.split(".")):
-        problem = "bucket names are at most 63 characters (222 with dots, 63 per dot-separated part)"
-    elif len(bucket.split(".")) == 4 and all(part.isdigit() for part in bucket.split(".")):
-        problem = "bucket names cannot be IP addresses"
-    elif bucket.startswith("goog") or "google" in bucket or "g00gle" in bucket:
-        problem = "bucket names cannot start with 'goog' or contain 'google'"
-    if problem:
-        raise PathError(f"invalid bucket name {bucket!r} in {uri!r}: {problem}")
 
 
-def _check_object(obj: str, uri: str) -> None:
-    if not obj:
-        return
-    if any(segment in ("..", ".") for segment in obj.split("/")):
-        raise PathError(f"{uri!r} has a '.' or '..' segment: object paths must not step out of their prefix")
-    if "\r" in obj or "\n" in obj:
-        raise PathError(f"{uri!r}: object names cannot contain carriage returns or line feeds")
-    if len(obj.encode("utf-8")) > _MAX_OBJECT_BYTES:
-        raise PathError(f"{uri!r}: object names are at most {_MAX_OBJECT_BYTES} bytes of UTF-8")
+def _destination(base: str, name: str) -> str:
+    target = join(base, name)
+    if storage_kind(base) == "local":
+        root = os.path.realpath(os.path.abspath(base))
+        resolved = os.path.realpath(os.path.abspath(target))
+        if os.path.commonpath([root, resolved]) != root:
+            raise PathError(
+                f"{target!r} resolves to {resolved!r}, outside the destination {root!r}: remove the symlink "
+                "in the destination or choose another directory"
+            )
+    return target

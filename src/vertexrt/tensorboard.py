@@ -32,7 +32,7 @@ from vertexrt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("tf", "torch", "tensorboardX")
+BACKENDS = ("tf", "torch", "tensorboardX", "files")
 
 
 def log_dir() -> str:
@@ -65,7 +65,19 @@ def _auto_backend() -> str:
     )
 
 
+class _FilesOnly:
+    """The ``files`` backend: another writer (e.g. Keras's TensorBoard callback) writes the event files."""
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _open_native(backend: str, directory: str) -> Any:
+    if backend == "files":
+        return _FilesOnly()
     if backend == "tf":
         import tensorflow as tf
 
@@ -125,6 +137,10 @@ class SummaryWriter:
         """Record one scalar at `step`."""
         if self.native is None:
             return
+        if self.backend == "files":
+            raise ConfigError(
+                "a writer(backend='files') only uploads what another writer wrote: it has no scalar()"
+            )
         if self.backend == "tf":
             import tensorflow as tf
 
@@ -223,15 +239,59 @@ class SummaryWriter:
             if "file" in fs.protocol:  # the /gcs/ mount
                 with fs.open(path, "ab") as dst:
                     dst.write(delta)
-            else:  # object store: upload the delta, compose it onto the object, drop the delta
-                part = f"{path}.vertexrt-part-{done}"
-                fs.pipe_file(part, delta)
-                try:
-                    fs.merge(path, [path, part])
-                finally:
-                    fs.rm_file(part)
+            else:
+                _append_object(fs, path, done, delta)
         self._uploaded[local] = done + len(delta)
         self.bytes_uploaded += len(delta)
+
+
+def _append_object(fs: Any, path: str, done: int, delta: bytes) -> None:
+    """Append ``delta`` (the local file's bytes from offset ``done`` on) to the object ``path``: upload it,
+    compose it on, delete it. Nothing is appended twice: the compose is sent once, and the next attempt
+    reads from the object's size how much of an earlier one landed. A delta object that could not be
+    deleted is left behind with a warning, not sent again."""
+    fs.invalidate_cache(path)
+    landed = fs.size(path) - done  # > 0: an earlier attempt's compose landed, its answer was lost
+    if landed > len(delta):
+        raise OSError(f"gs://{path} holds {done + landed} bytes, more than the {done + len(delta)} staged")
+    if landed > 0:
+        delta, done = delta[landed:], done + landed
+        if not delta:
+            return
+    part = f"{path}.vertexrt-part-{done}"
+    fs.pipe_file(part, delta)
+    try:
+        _compose_once(fs, path, part)
+    finally:
+        try:
+            fs.rm_file(part)
+        except Exception as err:  # the events are appended: a stray part object only costs storage
+            logger.warning("TensorBoard: could not delete %s (%s); delete it by hand", part, err)
+
+
+def _compose_once(fs: Any, path: str, part: str) -> None:
+    """``fs.merge(path, [path, part])`` sent once. gcsfs retries a request whose answer was lost, and a
+    compose is not idempotent: the retry appends the part a second time. The caller's next attempt reads
+    from the object's size how much landed."""
+    from fsspec.asyn import sync
+
+    request = getattr(fs._request, "__wrapped__", None)  # gcsfs's request without its retry loop
+    if request is None:
+        fs.merge(path, [path, part])
+        return
+    bucket, key, _ = fs.split_path(path)
+    body = {
+        "sourceObjects": [{"name": key}, {"name": fs.split_path(part)[1]}],
+        "kind": "storage#composeRequest",
+        "destination": {"name": key, "bucket": bucket},
+    }
+    try:
+        sync(fs.loop, request, fs, "POST", "b/{}/o/{}/compose", bucket, key,
+             headers={"Content-Type": "application/json"}, json=body)  # fmt: skip
+    except OSError:
+        raise
+    except Exception as err:  # aiohttp / gcsfs HttpError: retried at the next sync
+        raise OSError(f"appending to gs://{path} failed: {err}") from err
 
 
 def _noop(*args: Any, **kwargs: Any) -> contextlib.nullcontext[None]:
@@ -249,9 +309,11 @@ def writer(
     """A summary writer for `log_dir` (default: `vertexrt.tensorboard.log_dir()`).
 
     `backend`: "auto" (tf if TensorFlow is imported, else torch, else tensorboardX, else tf), "tf",
-    "torch" or "tensorboardX". With `chief_only` (default) only rank 0 writes; other ranks get a writer
-    whose methods do nothing. Remote directories (`gs://`, `/gcs/`) are uploaded every
-    `upload_interval` seconds, on `flush()` and on `close()` (also at interpreter exit).
+    "torch", "tensorboardX", or "files" (no writer of its own: it stages and uploads the event files that
+    another writer puts in `local_dir`, e.g. Keras's TensorBoard callback). With `chief_only` (default)
+    only rank 0 writes; other ranks get a writer whose methods do nothing. Remote directories (`gs://`,
+    `/gcs/`) are uploaded every `upload_interval` seconds, on `flush()` and on `close()` (also at
+    interpreter exit).
 
     Example:
         >>> with writer("gs://my-bucket/run-1/logs") as tb:  # doctest: +SKIP

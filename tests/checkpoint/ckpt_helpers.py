@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from vertexrt import paths
+from vertexrt._net import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def make_state(step: int, sizes: tuple[int, ...] = (150_000, 30_000, 260_000)) -> dict:
@@ -80,3 +87,50 @@ def disk_full_scenario(root: str) -> str:
         mgr.wait()
         after = mgr.all_steps()
     return f"error={message!r} steps={steps} leftovers={leftovers} after={after}"
+
+
+def run_ranks(script: str, world: int, argv: Callable[[int, int], list[str]]) -> list[tuple[int, str, str]]:
+    """Run ``script`` (beside this file) as ``world`` real processes, ``argv(rank, port)`` each with one free
+    port for all; (returncode, stdout, stderr) per rank. Every process is killed if the test gives up."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, os.path.join(HERE, script)]
+    procs = [
+        subprocess.Popen(
+            [*command, *argv(rank, port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for rank in range(world)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs, strict=True)]
+
+
+def assert_every_rank_ok(results: list[tuple[int, str, str]], what: str) -> list[str]:
+    """Each rank exited 0 and printed OK last; their stderr logs."""
+    for rank, (code, out, err) in enumerate(results):
+        assert code == 0 and out.strip().endswith("OK"), f"{what} rank {rank}:\n{err[-4000:]}"
+    return [err for _, _, err in results]
+
+
+def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
+    """The same nested dicts / lists of values and torch tensors (bit for bit, dtype too)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), (where, list(a), list(b))
+        for key in a:
+            assert_same_tree(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_tree(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)

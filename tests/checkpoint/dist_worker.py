@@ -54,9 +54,10 @@ def main(rank: int, world: int, port: int, root: str) -> None:
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.05)
-    assert mgr.preemption_requested() is True
+    answers = [mgr.preemption_requested() for _ in range(3)]  # agreed one check after the notice
+    assert answers[-1] is True and answers == sorted(answers), answers
     assert mgr.save(4, {"final": rank}, force=True)  # synchronous after a preemption notice
-    assert mgr._thread is None
+    assert mgr._pending is None
     dist.barrier()
     assert mgr.latest_step() == 4
     mgr.close()

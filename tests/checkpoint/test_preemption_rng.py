@@ -9,7 +9,7 @@ import signal
 import numpy as np
 import torch
 
-from vertexrt.checkpoint import EXIT_CODE, CheckpointManager, rng_state
+from vertexrt.checkpoint import PREEMPTED_EXIT_CODE, CheckpointManager, rng_state
 
 
 def test_sigterm_only_sets_a_flag_and_chains_the_previous_handler(tmp_path):
@@ -22,14 +22,14 @@ def test_sigterm_only_sets_a_flag_and_chains_the_previous_handler(tmp_path):
         assert mgr.preemption_requested() is True
         assert seen == [signal.SIGTERM]
         assert mgr.save(5, {"w": np.ones(3)}, force=True)
-        assert mgr._thread is None  # synchronous once preemption is requested
+        assert mgr._pending is None  # synchronous once preemption is requested
         assert mgr.all_steps() == [5]
         mgr.close()
         os.kill(os.getpid(), signal.SIGTERM)  # the previous handler is back in place
         assert seen == [signal.SIGTERM, signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert EXIT_CODE == 143
+    assert PREEMPTED_EXIT_CODE == 143
 
 
 def test_rng_state_round_trip(tmp_path):

@@ -52,7 +52,12 @@ def test_sharded_exactly_once_and_resumable(bigquery: FakeBigQuery) -> None:
     seen: Counter[int] = Counter()
     for rank in range(3):
         ds = open_dataset(
-            "proj-1.ds.training", format="bigquery", rank=rank, world_size=3, shuffle_buffer=100
+            "proj-1.ds.training",
+            format="bigquery",
+            rank=rank,
+            world_size=3,
+            shuffle_buffer=100,
+            equalize=None,
         )
         seen.update(r["id"] for r in ds)
     assert seen == Counter(range(len(ROWS)))
@@ -85,7 +90,7 @@ def test_missing_table_is_a_data_error(bigquery: FakeBigQuery) -> None:
 
 
 def test_the_fake_answers_queries_through_the_real_client(bigquery: FakeBigQuery) -> None:
-    from vertexrt.env import bigquery_client
+    from vertexrt.clients import bigquery_client
 
     client = bigquery_client()
     rows = list(client.query_and_wait("SELECT id, name FROM `proj-1.ds.training` LIMIT 3", page_size=2))

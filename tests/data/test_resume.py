@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -121,13 +122,14 @@ def test_state_is_json_and_validated(tmp_path, id_files) -> None:
     state = json.loads(json.dumps(ds.state_dict()))
     assert state["epoch"] == 0 and list(state["cursors"]) == ["0"]
     other = open_dataset(f"{tmp_path}/part-*.jsonl", seed=2, rank=0, world_size=1)
-    from vertexrt.errors import ConfigError, DataError
+    from vertexrt.errors import DataError
 
-    with pytest.raises(DataError, match="different data or options"):
+    with pytest.raises(DataError, match="different data or options") as caught:
         other.load_state_dict(state)
+    assert "seed: saved 1, now 2" in str(caught.value)
     wider = open_dataset(f"{tmp_path}/part-*.jsonl", seed=1, rank=0, world_size=2)
     wider.load_state_dict(state)
-    with pytest.raises(ConfigError, match="saved with 1 readers"):
+    with pytest.raises(DataError, match=r"saved with world_size=1 x 1 .* world_size=2 x 1"):
         next(iter(wider))
 
 
@@ -142,3 +144,117 @@ def test_end_of_epoch_state_starts_the_next_epoch(tmp_path, id_files) -> None:
     again.set_epoch(1)  # the usual loop: set_epoch(epoch) after restoring keeps the position
     epoch1 = [r["id"] for r in again]
     assert sorted(epoch1) == sorted(epoch0) and len(epoch1) == 8
+
+
+def test_a_state_for_other_options_names_what_changed(tmp_path, id_files) -> None:
+    from vertexrt.errors import DataError
+
+    id_files(str(tmp_path), [4, 4])
+    saved = open_dataset(f"{tmp_path}/part-*.jsonl", batch_size=8, rank=0, world_size=1)
+    state = saved.state_dict()
+    resumed = open_dataset(f"{tmp_path}/part-*.jsonl", batch_size=16, rank=0, world_size=1)
+    with pytest.raises(DataError, match="batch_size: saved 8, now 16") as caught:
+        resumed.load_state_dict(state)
+    assert "seed" not in str(caught.value) and "start the epoch afresh" in str(caught.value)
+    id_files(str(tmp_path), [4, 5])  # a data file grew
+    grown = open_dataset(f"{tmp_path}/part-*.jsonl", batch_size=8, rank=0, world_size=1)
+    with pytest.raises(DataError, match=r"files: saved 2 files of \d+ bytes, now 2 files of \d+ bytes"):
+        grown.load_state_dict(state)
+
+
+def _lines_with_bad(tmp_path: Any, n: int, bad: dict[int, bytes]) -> tuple[str, list[int]]:
+    """A JSONL file of ``{"id": i}`` lines with the lines at ``bad``'s indexes replaced; the good ids."""
+    lines = [bad.get(i, json.dumps({"id": i}).encode()) for i in range(n)]
+    path = tmp_path / "runs.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return str(path), [i for i in range(n) if i not in bad]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_state_between_any_two_records_across_decode_runs(tmp_path, shuffle: bool) -> None:
+    # records are decoded a run at a time (dataset.DECODE_RUN): stops at, before and after run edges and
+    # around bad lines (skipped, or whitespace-only and ignored) resume exactly
+    path, good = _lines_with_bad(tmp_path, 700, {100: b"{oops", 255: b"  ", 256: b"[1,", 511: b"}"})
+    options: dict[str, Any] = {"shuffle": shuffle, "shuffle_buffer": 300, "on_error": "skip"}
+    full = [r["id"] for r in open_dataset(path, rank=0, world_size=1, **options)]
+    assert sorted(full) == good
+    for stop in (0, 1, 99, 100, 101, 254, 255, 256, 257, 299, 300, 509, 510, 511, 512, len(full)):
+        ds = open_dataset(path, rank=0, world_size=1, **options)
+        it = iter(ds)
+        head = [next(it)["id"] for _ in range(stop)]
+        state = json.loads(json.dumps(ds.state_dict()))
+        del it
+        again = open_dataset(path, rank=0, world_size=1, **options)
+        again.load_state_dict(state)
+        assert head + [r["id"] for r in again] == full, f"stop={stop}"
+
+
+def test_a_bad_record_mid_run_hands_out_the_records_before_it_then_resumes_after(tmp_path) -> None:
+    from vertexrt.errors import DataError
+
+    path, good = _lines_with_bad(tmp_path, 600, {300: b"{oops"})
+    ds = open_dataset(path, shuffle=False, rank=0, world_size=1)
+    got = []
+    with pytest.raises(DataError, match=r"runs.jsonl:301 \(byte \d+\): malformed JSON"):
+        for record in ds:
+            got.append(record["id"])
+    assert got == good[:300]
+    assert [r["id"] for r in ds] == good[300:]  # the same dataset goes on after the bad line
+    assert ds.epoch == 1
+
+
+def test_state_at_the_edge_of_a_local_read(tmp_path) -> None:
+    # local files are read LOCAL_READ_SIZE bytes at a time: stops at the records around a read's edge
+    # (one of them crossing it) resume exactly
+    from vertexrt.data._lines import LOCAL_READ_SIZE
+
+    lines = [json.dumps({"id": i, "pad": "x" * (i % 100)}).encode() for i in range(40_000)]
+    path = tmp_path / "edges.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    assert path.stat().st_size > 2 * LOCAL_READ_SIZE
+    ends, total = [], 0
+    for index, line in enumerate(lines):
+        total += len(line) + 1
+        if total > LOCAL_READ_SIZE and not ends or total > 2 * LOCAL_READ_SIZE and len(ends) == 1:
+            ends.append(index)
+    for stop in sorted({e + d for e in ends for d in (-1, 0, 1)}):
+        ds = open_dataset(str(path), shuffle=False, rank=0, world_size=1)
+        it = iter(ds)
+        head = [next(it)["id"] for _ in range(stop)]
+        again = open_dataset(str(path), shuffle=False, rank=0, world_size=1)
+        again.load_state_dict(json.loads(json.dumps(ds.state_dict())))
+        del it
+        assert head + [r["id"] for r in again] == list(range(40_000)), f"stop={stop}"
+
+
+def test_leaving_the_loop_keeps_the_position(tmp_path) -> None:
+    # the iterator dropped mid-run (break) leaves the cursor right after the last record handed out
+    path, good = _lines_with_bad(tmp_path, 100, {})
+    ds = open_dataset(path, shuffle=False, rank=0, world_size=1)
+    head = []
+    for record in ds:
+        head.append(record["id"])
+        if len(head) == 45:
+            break
+    state = json.loads(json.dumps(ds.state_dict()))
+    assert head + [r["id"] for r in ds] == good  # the same dataset goes on from there
+    again = open_dataset(path, shuffle=False, rank=0, world_size=1)
+    again.load_state_dict(state)
+    assert [r["id"] for r in again] == good[45:]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_closing_the_iterator_ends_the_pass_and_keeps_the_position(tmp_path, prefetch: int) -> None:
+    # iter(ds) stopped being a generator (a C chain, for speed): close() raised AttributeError, which broke
+    # the Keras reader seek that reads N records and closes the stream.
+    path, good = _lines_with_bad(tmp_path, 100, {})
+    ds = open_dataset(path, shuffle=False, rank=0, world_size=1, prefetch=prefetch)
+    it = iter(ds)
+    head = [next(it)["id"] for _ in range(45)]
+    it.close()
+    assert list(it) == []  # like a closed generator
+    state = json.loads(json.dumps(ds.state_dict()))
+    again = open_dataset(path, shuffle=False, rank=0, world_size=1)
+    again.load_state_dict(state)
+    assert head + [r["id"] for r in again] == good
+    assert not [t for t in threading.enumerate() if "prefetch" in t.name.lower() and t.is_alive()]

@@ -47,6 +47,7 @@ def test_three_replicas_two_workers_seven_uneven_files_exactly_once(
                     shuffle=shuffle,
                     seed=11,
                     shuffle_buffer=8,
+                    equalize=None,  # every record exactly once, shares unequal
                 )
                 ds.set_epoch(epoch)
                 seen.update(reader_ids(ds, rank, worker, 2))
@@ -57,7 +58,7 @@ def test_three_replicas_two_workers_seven_uneven_files_exactly_once(
 def test_fewer_files_than_readers_strides_records(tmp_path, id_files: Callable[..., list[str]]) -> None:
     root = str(tmp_path)
     id_files(root, [10, 3])  # 2 files, 6 readers
-    shares = all_readers(root, 3, 2, shuffle=True, seed=1, shuffle_buffer=4)
+    shares = all_readers(root, 3, 2, shuffle=True, seed=1, shuffle_buffer=4, equalize=None)
     merged = [i for ids in shares.values() for i in ids]
     assert sorted(merged) == list(range(13))
     assert {len(ids) for ids in shares.values()} <= {2, 3}  # balanced to within one record
@@ -135,3 +136,28 @@ def test_plan_helpers() -> None:
     assert assign(order, 1, 6) == ([order[1]], 1, 0)
     assert assign(order[:2], 4, 6) == (order[:2], 6, 4)
     assert reader_counts(units[:2], [10, 3], 6) == [3, 2, 2, 2, 2, 2]
+
+
+def test_default_gives_every_rank_the_same_number_of_batches(tmp_path, id_files) -> None:
+    id_files(str(tmp_path), [10, 10, 5])  # without equalizing: 4 batches of 4 on one rank, 3 on the other
+    pattern = f"{tmp_path}/part-*.jsonl"
+    for shuffle in (False, True):
+        shares = [
+            [r["id"] for r in open_dataset(pattern, rank=rank, world_size=2, batch_size=4, shuffle=shuffle)]
+            for rank in range(2)
+        ]
+        assert len(shares[0]) == len(shares[1]) == 12  # 3 whole batches each, no record twice
+        assert len(set(shares[0]) | set(shares[1])) == 24
+    assert open_dataset(pattern, rank=0, world_size=2).equalized
+    unequal = [open_dataset(pattern, rank=r, world_size=2, equalize=None, shuffle=False) for r in range(2)]
+    assert not unequal[0].equalized
+    assert sorted(len(list(ds)) for ds in unequal) == [10, 15]  # the explicit opt-out reads everything
+    single = open_dataset(pattern, rank=0, world_size=1, batch_size=4)
+    assert single.equalized and len(list(single)) == 25  # one replica: nothing dropped
+
+
+def test_default_equalizes_for_the_cluster_world(tmp_path, id_files, vertex_env) -> None:
+    id_files(str(tmp_path), [10, 10, 5])
+    vertex_env(workers=1, task=("workerpool1", 0))
+    ds = open_dataset(f"{tmp_path}/part-*.jsonl", batch_size=4)
+    assert ds.equalized and ds.topology().world_size == 2 and len(list(ds)) == 12

@@ -43,3 +43,15 @@ def test_explicit_signature_and_a_shuffled_csv(tmp_path) -> None:
     signature = {"a": tf.TensorSpec((), tf.int64), "b": tf.TensorSpec((), tf.int64)}
     rows = [(int(r["a"]), int(r["b"])) for r in ds.as_tf(signature)]
     assert sorted(rows) == [(i, i * i) for i in range(30)] and rows != sorted(rows)
+
+
+def test_a_pass_cut_short_leaves_the_next_pass_whole(tmp_path, write_jsonl) -> None:
+    """A Keras validation pass stops at the cardinality (or a take()); the next pass of the same
+    tf.data dataset still holds the asserted number of elements (it starts at an epoch start)."""
+    uri = write_jsonl(str(tmp_path / "v.jsonl"), [{"x": i} for i in range(40)])
+    ds = open_dataset(uri, shuffle=False, rank=0, world_size=2, prefetch=0)  # equalized: 20 each
+    data = ds.as_tf()
+    assert int(data.cardinality()) == 20
+    assert [int(r["x"]) for r in data.take(3)] == [0, 1, 2]
+    assert [int(r["x"]) for r in data] == list(range(20))
+    assert [int(b["x"].shape[0]) for b in data.batch(8)] == [8, 8, 4]

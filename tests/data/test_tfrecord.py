@@ -111,3 +111,50 @@ def test_large_records_span_read_chunks(tmp_path) -> None:
         for payload in payloads:
             writer.write(payload)
     assert list(open_dataset(uri, shuffle=False, rank=0, world_size=1)) == payloads
+
+
+@pytest.mark.parametrize("kind", ["int64", "float32", "string"])
+def test_an_empty_feature_parses_under_any_declared_type(kind: str) -> None:
+    tf = pytest.importorskip("tensorflow")
+    dtype = getattr(tf, kind)
+    payload = encode_example({"f": [], "g": [1]})
+    assert decode_example(payload) == {"f": [], "g": [1]}
+    parsed = tf.io.parse_example([payload], {"f": tf.io.VarLenFeature(dtype)})
+    assert parsed["f"].values.dtype == dtype and parsed["f"].values.shape == (0,)
+    ragged = tf.io.parse_example([payload], {"f": tf.io.RaggedFeature(dtype)})
+    assert ragged["f"].to_list() == [[]]
+
+
+def test_runs_of_equal_length_records_keep_every_check(tmp_path) -> None:
+    """Records of one length are framed a run at a time: a bad payload CRC, a bad footer and a change of
+    length inside a run are each found at their exact byte, with every other record handed out in order."""
+    from collections import Counter
+
+    from vertexrt.errors import DataError
+
+    payloads = [i.to_bytes(2, "big") * 50 for i in range(600)]
+    payloads[300] = b"short"
+    frames = [bytearray(encode_record(p)) for p in payloads]
+    frames[150][12 + 7] ^= 1  # payload byte
+    frames[400][-1] ^= 1  # footer
+    offsets = [sum(map(len, frames[:i])) for i in range(len(frames))]
+    uri = str(tmp_path / "runs.tfrecord")
+    with open(uri, "wb") as f:
+        f.write(b"".join(frames))
+    good = [p for i, p in enumerate(payloads) if i not in (150, 400)]
+    ds = open_dataset(uri, shuffle=False, rank=0, world_size=1, on_error="skip")
+    assert list(ds) == good and ds.skipped == 2
+    with pytest.raises(DataError, match=f"byte {offsets[150]} \\(payload CRC"):
+        list(open_dataset(uri, shuffle=False, rank=0, world_size=1))
+    seen: Counter[bytes] = Counter()  # byte-range pieces: every good record once
+    for rank in range(3):
+        piece = open_dataset(uri, shuffle=False, rank=rank, world_size=3, equalize=None, on_error="skip")
+        seen.update(piece)
+    assert seen == Counter(good)
+    frames[500][0] ^= 1  # a length that fails its CRC: the rest of the file is skipped
+    with open(uri, "wb") as f:
+        f.write(b"".join(frames))
+    ds = open_dataset(uri, shuffle=False, rank=0, world_size=1, on_error="skip")
+    assert list(ds) == good[:498] and ds.skipped == 3
+    with pytest.raises(DataError, match=f"byte {offsets[150]} "):
+        list(open_dataset(uri, shuffle=False, rank=0, world_size=1))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
+from typing import Any
 
 import pytest
 
 from vertexrt.data import open_dataset
+from vertexrt.data.jsonl import JSONL
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402
@@ -14,6 +17,26 @@ from torch.utils.data import DataLoader  # noqa: E402
 from .conftest import SIZES_7  # noqa: E402
 
 TOTAL = sum(SIZES_7)
+
+
+class CountingJSONL(JSONL):
+    """JSONL that appends ``<pid> <what>`` to a log file each time it counts records (any process)."""
+
+    def __init__(self, log: str):
+        super().__init__()
+        self.log = log
+
+    def count(self, source, errors) -> int:  # type: ignore[no-untyped-def]
+        self._note(f"{source.uri}")
+        return super().count(source, errors)
+
+    def count_piece(self, source, start: int, end: int, errors) -> int:  # type: ignore[no-untyped-def]
+        self._note(f"{source.uri}[{start}:{end}]")
+        return super().count_piece(source, start, end, errors)
+
+    def _note(self, what: str) -> None:
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()} {what}\n")
 
 
 def ids_of(batches: list[dict[str, object]]) -> list[int]:
@@ -114,3 +137,30 @@ def test_vertexrt_dataloader_state_dict_is_exact_with_workers(tmp_path, id_files
         assert Counter(head + rest) == Counter(full), f"stop={stop} state={state}"
         if workers == 0:
             assert head + rest == full
+
+
+@pytest.mark.parametrize("how", ["workers", "persistent", "torch-loader"])
+def test_equalize_counts_once_per_rank_before_the_workers_fork(
+    tmp_path, id_files, monkeypatch, how: str
+) -> None:
+    from vertexrt.data.torch import DataLoader as ResumableLoader
+
+    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 64)  # cut these small files (forked too)
+    id_files(str(tmp_path), [40, 40, 40])  # 3 files < 2 ranks x 2 workers: the workers read file pieces
+    log = str(tmp_path / "counts.log")
+    ds = open_dataset(
+        f"{tmp_path}/part-*.jsonl", format=CountingJSONL(log), rank=0, world_size=2, equalize="drop_remainder"
+    )
+    options = {"batch_size": 4, "num_workers": 2, "multiprocessing_context": "fork"}
+    if how == "torch-loader":  # a plain torch DataLoader: the iterable is prepared for its workers
+        loader: Any = DataLoader(ds.as_torch(num_workers=2), **options)
+    else:
+        loader = ResumableLoader(ds, persistent_workers=how == "persistent", **options)
+    for epoch in range(2):
+        loader.dataset.set_epoch(epoch)
+        ids = ids_of(list(loader))
+        assert len(ids) == len(set(ids)) == 60  # rank 0's equal half (2 x 30), in whole batches
+    with open(log) as f:
+        calls = [line.split(" ", 1) for line in f.read().splitlines()]
+    assert {pid for pid, _ in calls} == {str(os.getpid())}  # counted here, not in a worker
+    assert len(calls) == len({what for _, what in calls})  # each file or piece counted once

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -268,3 +269,101 @@ def test_the_package_stays_light_and_its_names_are_not_shadowed() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("env", "replica"),
+    [
+        ({}, "chief-0"),
+        (
+            {"CLUSTER_SPEC": spec({"workerpool0": [WP0], "workerpool1": WP1}, "workerpool1", 1)},
+            "workerpool1-1",
+        ),
+        (
+            {"CLUSTER_SPEC": spec({"workerpool0": [WP0], "workerpool2": WP2}, "workerpool2", 0)},
+            "workerpool2-0",
+        ),
+        ({"TF_CONFIG": tf({"chief": ["a:1"], "worker": ["b:1", "c:1"]}, "worker", 1)}, "worker-1"),
+        ({"MASTER_ADDR": "h", "RANK": "2", "WORLD_SIZE": "3"}, "worker-1"),
+    ],
+)
+def test_replica_is_the_vertex_replica_name(env: dict[str, str], replica: str) -> None:
+    c = cluster(env)
+    assert c.replica == replica and c.summary()["replica"] == replica
+
+
+def test_every_process_of_a_torchrun_replica_shares_its_name_and_only_rank_0_is_chief() -> None:
+    node = spec({"workerpool0": [WP0], "workerpool1": WP1}, "workerpool0")
+    procs = [
+        cluster(
+            {
+                "CLUSTER_SPEC": node,
+                "LOCAL_RANK": str(i),
+                "LOCAL_WORLD_SIZE": "2",
+                "RANK": str(i),
+                "WORLD_SIZE": "6",
+            }
+        )
+        for i in range(2)
+    ]
+    assert [p.replica for p in procs] == ["workerpool0-0", "workerpool0-0"]
+    assert [p.is_chief for p in procs] == [True, False]
+
+
+def test_cluster_spec_warning_is_a_vertexrt_warning_under_both_names() -> None:
+    import vertexrt
+    import vertexrt.distributed
+    from vertexrt.errors import ClusterSpecWarning as FromErrors
+    from vertexrt.errors import VertexrtWarning
+
+    assert (
+        ClusterSpecWarning
+        is FromErrors
+        is vertexrt.ClusterSpecWarning
+        is vertexrt.distributed.ClusterSpecWarning
+    )
+    assert issubclass(FromErrors, VertexrtWarning) and issubclass(VertexrtWarning, UserWarning)
+
+
+def test_world_info_outside_a_process_group_has_the_cluster_local_rank(vertex_env, monkeypatch) -> None:
+    vertex_env(workers=1, task=("workerpool1", 0))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    info = world_info()
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (3, 4, 1, 2)
+
+
+def test_world_info_raises_on_a_malformed_variable(monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "one")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ClusterSpecError, match="RANK='one'"):
+        world_info()
+
+
+@pytest.mark.slow
+def test_world_info_never_guesses_a_local_rank_the_process_group_contradicts(tmp_path) -> None:
+    # A real gloo group of one process, while CLUSTER_SPEC says worker 0 of a 2-replica job (rank 1 of 2):
+    # torch.distributed's rank wins; which GPU this process owns is unknown, so local_rank raises.
+    store = (tmp_path / "store").as_uri()
+    code = (
+        "import json, torch.distributed as dist\n"
+        "from vertexrt.distributed import world_info\n"
+        "from vertexrt.errors import ClusterSpecError\n"
+        f"dist.init_process_group('gloo', init_method={store!r}, rank=0, world_size=1)\n"
+        "info = world_info()\n"
+        "try:\n"
+        "    local = info.local_rank\n"
+        "except ClusterSpecError as err:\n"
+        "    local = str(err)\n"
+        "print(json.dumps([info.rank, info.world_size, info.source, info.is_chief, local]))\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TF_CONFIG")}
+    env["CLUSTER_SPEC"] = spec({"workerpool0": [WP0], "workerpool1": WP1[:1]}, "workerpool1", 0)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    rank, world_size, source, is_chief, local = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (rank, world_size, source, is_chief) == (0, 1, "torch.distributed", True)
+    assert "LOCAL_RANK" in local and "rank 1 of 2" in local

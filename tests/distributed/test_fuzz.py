@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import sys
+import warnings
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vertexrt.distributed import Cluster, cluster
-from vertexrt.errors import ClusterSpecError
+from vertexrt.errors import ClusterSpecError, ClusterSpecWarning
 
 POOL_NAMES = [
     "workerpool0",
@@ -150,3 +153,99 @@ def test_valid_specs_rank_every_training_process_once(workers: int, ps: int, eva
             else:
                 assert not c.in_training_world and not c.is_chief
     assert sorted(ranks) == list(range(1 + workers))
+
+
+# Hostile values: bounded before anything is parsed or converted, a ClusterSpecError naming the variable.
+HUGE = "9" * 5000  # past Python's 4300-digit int() limit, which raises a bare ValueError
+SPEC_OK = json.dumps({"cluster": {"workerpool0": ["h:2222"]}, "task": {"type": "workerpool0", "index": 0}})
+NESTINGS = [
+    "{0}",
+    '{{"cluster": {0}}}',
+    '{{"cluster": {{"workerpool0": {0}}}}}',
+    '{{"cluster": {{"workerpool0": ["h:1"]}}, "task": {{"type": {0}}}}}',
+    '{{"cluster": {{"workerpool0": ["h:1"]}}, "task": {{"type": "workerpool0", "trial": {0}}}}}',
+]
+
+
+@pytest.mark.parametrize("variable", ["CLUSTER_SPEC", "TF_CONFIG"])
+@pytest.mark.parametrize("template", NESTINGS)
+def test_deeply_nested_json_is_a_cluster_spec_error(variable: str, template: str) -> None:
+    # Every depth around the interpreter's recursion limit: json.loads may succeed where re-encoding the
+    # value for the message would not.
+    for depth in [100, 2000, 100_000, *range(sys.getrecursionlimit() - 150, sys.getrecursionlimit() + 10)]:
+        text = template.format("[" * depth + "]" * depth)
+        with pytest.raises(ClusterSpecError, match=f"{variable}.*nested"):
+            cluster({variable: text})
+
+
+def test_deeply_nested_tf_config_beside_cluster_spec_is_only_a_warning() -> None:
+    with pytest.warns(ClusterSpecWarning, match="TF_CONFIG.*nested"):
+        assert cluster({"CLUSTER_SPEC": SPEC_OK, "TF_CONFIG": "[" * 100_000}).rank == 0
+
+
+def test_an_oversized_cluster_variable_is_refused_before_parsing() -> None:
+    text = json.dumps(
+        {"cluster": {"workerpool0": ["h:2222"]}, "task": {"type": "workerpool0"}, "x": "a" * 2**21}
+    )
+    with pytest.raises(ClusterSpecError, match="CLUSTER_SPEC.*characters"):
+        cluster({"CLUSTER_SPEC": text})
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({"RANK": HUGE, "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "RANK"),
+        ({"RANK": "0", "WORLD_SIZE": HUGE, "MASTER_ADDR": "h"}, "WORLD_SIZE"),
+        ({"RANK": "-" + HUGE, "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "RANK"),
+        ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": HUGE}, "MASTER_PORT"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "h", "MASTER_PORT": "0" * 5000 + "1"},
+            "MASTER_PORT",
+        ),
+        ({"LOCAL_RANK": HUGE, "LOCAL_WORLD_SIZE": "1", "RANK": "0", "WORLD_SIZE": "1"}, "LOCAL_RANK"),
+        (
+            {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "RANK": "0", "WORLD_SIZE": "1", "GROUP_RANK": HUGE},
+            "GROUP_RANK",
+        ),
+        (
+            {
+                "CLUSTER_SPEC": json.dumps(
+                    {"cluster": {"workerpool0": [f"h:{HUGE}"]}, "task": {"type": "workerpool0"}}
+                )
+            },
+            "CLUSTER_SPEC",
+        ),
+        (
+            {
+                "TF_CONFIG": json.dumps(
+                    {"cluster": {"chief": ["h:1"]}, "task": {"type": "chief", "index": HUGE}}
+                )
+            },
+            "TF_CONFIG",
+        ),
+    ],
+)
+def test_a_huge_number_is_a_cluster_spec_error_naming_the_variable(env: dict[str, str], name: str) -> None:
+    with pytest.raises(ClusterSpecError) as caught:
+        cluster(env)
+    assert name in str(caught.value) and len(str(caught.value)) < 500
+
+
+@pytest.mark.parametrize("rank", [HUGE, "²", "１"])
+def test_a_malformed_rank_beside_cluster_spec_does_not_crash_the_consistency_check(rank: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cluster({"CLUSTER_SPEC": SPEC_OK, "RANK": rank}).rank == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["MASTER_PORT", "RANK", "WORLD_SIZE"]), st.integers(-(10**30), 10**30))
+def test_ports_and_ranks_outside_their_range_are_refused(name: str, value: int) -> None:
+    env = {"MASTER_ADDR": "h", "RANK": "0", "WORLD_SIZE": "1", name: str(value)}
+    try:
+        c = cluster(env)
+    except ClusterSpecError as err:
+        assert name in str(err), str(err)
+        return
+    valid = {"MASTER_PORT": 1 <= value <= 65535, "RANK": value == 0, "WORLD_SIZE": value >= 1}
+    assert valid[name] and (c.rank, c.world_size) == (0, 1 if name != "WORLD_SIZE" else value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -178,7 +179,7 @@ def test_tensorflow_reads_back_what_tf_config_writes(tmp_path) -> None:
 def test_two_workers_train_a_step_with_identical_weights(local_run) -> None:
     run = local_run("--workers", "2", "--", "tf_train.py", "ctl", timeout=180)
     assert run.returncode == 0, run.output
-    chief, worker = run.results()["chief"], run.results()["worker-0"]
+    chief, worker = run.results()["workerpool0-0"], run.results()["workerpool1-0"]
     assert chief["is_multi_worker"] and chief["replicas"] == 2
     assert chief["weights"] == worker["weights"]
     assert run.output.count("Keras 3 (the tf.keras of TensorFlow >= 2.16) fails in model.fit") == 2
@@ -188,7 +189,7 @@ def test_two_workers_train_a_step_with_identical_weights(local_run) -> None:
 def test_keras_fit_works_with_legacy_keras(local_run) -> None:
     run = local_run("--workers", "2", "--", "tf_train.py", "fit_legacy", timeout=180)
     assert run.returncode == 0, run.output
-    chief, worker = run.results()["chief"], run.results()["worker-0"]
+    chief, worker = run.results()["workerpool0-0"], run.results()["workerpool1-0"]
     assert chief["keras"].startswith("tf_keras") and chief["is_multi_worker"]
     assert chief["weights"] == worker["weights"]
     assert "Keras 3 (the tf.keras" not in run.output
@@ -198,8 +199,8 @@ def test_keras_fit_works_with_legacy_keras(local_run) -> None:
 def test_parameter_server_job_coordinates_from_the_chief(local_run) -> None:
     run = local_run("--workers", "2", "--ps", "1", "--", "tf_train.py", "ps", timeout=180)
     assert run.returncode == 0, run.output
-    assert list(run.results()) == ["chief"]  # the worker and the ps serve until they are shut down
-    result = run.results()["chief"]
+    assert list(run.results()) == ["workerpool0-0"]  # the worker and the ps serve until they are shut down
+    result = run.results()["workerpool0-0"]
     assert result["strategy"].startswith("ParameterServerStrategy") and result["value"] == 4.0
 
 
@@ -237,4 +238,59 @@ def test_worker_whose_peer_never_starts_is_killed(local_run) -> None:
         stop_delay=3,
     )
     assert run.returncode == 128 + 15, run.output  # the launcher was stopped with SIGTERM
-    assert "chief ignored SIGTERM for 2s: SIGKILL" in run.output
+    assert "workerpool0-0 ignored SIGTERM: SIGKILLed after the 2 s grace" in run.output
+
+
+@pytest.mark.slow
+def test_a_chief_whose_worker_never_starts_exits_at_the_rendezvous_deadline(local_run) -> None:
+    # The chief used to wait in the strategy constructor for good (holding the GIL: no Python timer runs).
+    run = local_run(
+        "--workers",
+        "2",
+        "--",
+        "tf_train.py",
+        "hang_chief",
+        timeout=120,
+        env={"VERTEXRT_RENDEZVOUS_TIMEOUT": "5"},
+    )
+    assert run.returncode == 1, run.output
+    assert "waiting for the cluster's 2 tasks, at most 5 s (VERTEXRT_RENDEZVOUS_TIMEOUT)" in run.output
+    assert re.search(r"Timeout \(0:00:0[45]\.?\d*\)!", run.output), run.output  # a stack dump follows
+
+
+RESOLVE = """
+import json, os, sys
+import tensorflow as tf
+out = []
+for config in json.load(sys.stdin):
+    os.environ["TF_CONFIG"] = json.dumps(config)
+    r = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    out.append([r.rpc_layer, r.master(), r.task_type, r.task_id, r.cluster_spec().as_dict()])
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_tf_config_keeps_rpc_layer_and_session_master(monkeypatch, tmp_path) -> None:
+    pytest.importorskip("tensorflow")
+    original = {
+        "cluster": {"chief": ["c:1"], "worker": ["w:1", "w:2"]},
+        "task": {"type": "worker", "index": 1},
+        "rpc_layer": "grpc+verbs",
+        "session_master": "grpc://c:1",
+        "environment": "cloud",
+    }
+    monkeypatch.setenv("TF_CONFIG", json.dumps(original))
+    ours = tf_config()
+    assert (ours["rpc_layer"], ours["session_master"]) == ("grpc+verbs", "grpc://c:1")
+    proc = subprocess.run(
+        [sys.executable, "-c", RESOLVE],
+        input=json.dumps([original, ours]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    theirs, mine = json.loads(proc.stdout.partition("RESULT ")[2])
+    assert mine == theirs and theirs[:2] == ["grpc+verbs", "grpc://c:1"]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from vertexrt.distributed import Cluster, init_torch, spawn
+from vertexrt.distributed import Cluster, cluster, init_torch, spawn
 from vertexrt.distributed.torch import child_environment
 from vertexrt.errors import ConfigError
 
@@ -116,3 +116,33 @@ def test_child_environment_numbers_processes_by_node() -> None:
         "MASTER_ADDR": "10.0.0.1",
         "MASTER_PORT": "2345",
     }
+
+
+def test_nccl_is_bound_to_each_local_rank_gpu(monkeypatch) -> None:
+    import torch
+
+    from vertexrt.distributed.launcher import JobSpec, port_count, replica_environments
+    from vertexrt.distributed.torch import process_group_arguments
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    job = JobSpec(["python"], workers=2, processes_per_node=4)
+    replicas = replica_environments(job, {}, list(range(42000, 42000 + port_count(job))))
+    chosen = []
+    for replica in replicas:  # four GPUs per node, faked: LOCAL_RANK picks the device
+        assert "CUDA_VISIBLE_DEVICES" not in replica.env
+        backend, device, extra = process_group_arguments(cluster(replica.env), "auto", num_gpus=4)
+        assert backend == "nccl" and extra == {"device_id": device}
+        chosen.append(device)
+    assert chosen == [torch.device("cuda", i) for i in (0, 1, 2, 3)] * 2
+    assert process_group_arguments(Cluster(source="local"), "auto", 0)[::2] == ("gloo", {})
+    with pytest.raises(ConfigError, match="backend='nccl'.*no GPU"):
+        process_group_arguments(Cluster(source="local"), "nccl", 0)
+
+
+def test_spawned_children_pick_their_device_by_local_rank() -> None:
+    from vertexrt.distributed.torch import process_group_arguments
+
+    node = Cluster(source="CLUSTER_SPEC", role="worker", node_rank=1, num_nodes=2, rank=1, world_size=2)
+    for local_rank in range(2):
+        child = cluster(child_environment(node, local_rank, 2, "10.0.0.1:2345"))
+        assert str(process_group_arguments(child, "auto", 2)[1]) == f"cuda:{local_rank}"

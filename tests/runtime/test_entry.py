@@ -79,10 +79,10 @@ def test_logging_is_set_up_for_the_call_only(runtime_env: Any, capsys: pytest.Ca
 
     @main(log_level="DEBUG")
     def train(ctx: Context) -> None:
-        logging.getLogger("user").debug("inside")
+        logging.getLogger("__main__").debug("inside")
 
     train()
-    assert "[chief-0 r0] DEBUG user: inside" in capsys.readouterr().err
+    assert "[chief-0 r0] DEBUG __main__: inside" in capsys.readouterr().err
     assert root.handlers == handlers
 
 
@@ -111,14 +111,14 @@ def test_vertex_log_format_is_json_lines_unless_asked(
 
     @main
     def train(ctx: Context) -> None:
-        logging.getLogger("user").info("hello")
+        logging.getLogger("__main__").info("hello")
 
     train()
     out = capsys.readouterr().out
     assert '"severity": "INFO"' in out and '"trial": "4"' in out and '"replica": "workerpool0-0"' in out
     monkeypatch.setenv("VERTEXRT_LOG_FORMAT", "text")
     train()
-    assert "[workerpool0-0 r0] INFO user: hello" in capsys.readouterr().err
+    assert "[workerpool0-0 r0] INFO __main__: hello" in capsys.readouterr().err
 
 
 def test_warns_when_a_vertex_job_exports_nothing(
@@ -133,7 +133,7 @@ def test_warns_when_a_vertex_job_exports_nothing(
     train()
     assert "nothing was written to the model directory" in caplog.text
     caplog.clear()
-    (tmp_path / "base" / "model").mkdir(parents=True)
+    (tmp_path / "base" / "model").mkdir(parents=True, exist_ok=True)  # the preflight probe made it
     (tmp_path / "base" / "model" / "model.pt").write_bytes(b"weights")
     train()
     assert "nothing was written" not in caplog.text
@@ -193,3 +193,130 @@ def test_tf_framework_creates_the_strategy_first(runtime_env: Any, tmp_path: Pat
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "strategy _DefaultDistributionStrategy cpu" in done.stdout
+
+
+IGNORING_SCRIPT = """
+import logging, sys, threading, time
+from vertexrt.runtime import main
+from vertexrt.runtime.signals import preemption_signal
+
+warned = threading.Event()
+
+class Seen(logging.Handler):
+    def emit(self, record):
+        if "has not checked" in record.getMessage() or "ago and" in record.getMessage():
+            warned.set()
+
+@main
+def train(ctx):
+    logging.getLogger("vertexrt").addHandler(Seen())
+    print("ready", flush=True)
+    deadline = time.monotonic() + 60
+    while not preemption_signal().requested and time.monotonic() < deadline:  # not a poll
+        time.sleep(0.01)                       # a training loop that never calls ctx.should_stop()
+    warned.wait(60)                            # the prompt warning, while the loop runs on
+    return "finished"
+
+train()
+"""
+
+
+def test_sigterm_never_polled_is_warned_about_and_exits_143(runtime_env: Any, tmp_path: Path) -> None:
+    script = tmp_path / "ignores.py"
+    script.write_text(textwrap.dedent(IGNORING_SCRIPT))
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, stderr
+    assert "arrived" in stderr and "s ago and the training function never checked ctx.should_stop()" in stderr
+    assert "SIGTERM arrived at" in stderr and "nothing was saved at the notice" in stderr
+    assert "exiting 143 (not 0)" in stderr
+
+
+def test_logs_the_contract_checks_on_vertex(
+    vertex_env: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    vertex_env()  # no base output directory
+    monkeypatch.delenv("AIP_CHECKPOINT_DIR", raising=False)
+    monkeypatch.setattr("vertexrt.doctor._logged", set())  # preflight logs a warning once per process
+
+    @main
+    def train(ctx: Context) -> None:
+        pass
+
+    train()
+    assert "AIP_CHECKPOINT_DIR is not set (the job has no baseOutputDirectory)" in caplog.text
+
+
+def test_a_fatal_preflight_finding_stops_the_job_before_the_function_runs(
+    runtime_env: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("AIP_CHECKPOINT_DIR", "/sys/x")  # not writable, even by root
+    ran: list[Context] = []
+
+    @main
+    def train(ctx: Context) -> None:
+        ran.append(ctx)
+
+    with pytest.raises(SystemExit) as stopped:
+        train()
+    assert stopped.value.code == 1 and ran == []
+    assert "AIP_CHECKPOINT_DIR=/sys/x is not writable" in caplog.text and "replica chief-0" in caplog.text
+
+    @main(preflight=False)
+    def unchecked(ctx: Context) -> bool:
+        return ctx._preflighted  # the Trainer does not run it either
+
+    assert unchecked() is True
+
+
+def test_preflight_failure_of_a_real_process_is_one_clear_message(runtime_env: Any, tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {**os.environ, "AIP_CHECKPOINT_DIR": "/sys/x", "VERTEXRT_LOG_FORMAT": "text"}
+    done = subprocess.run(
+        [sys.executable, str(script), "ok"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("AIP_CHECKPOINT_DIR=/sys/x is not writable") == 1
+    assert "Traceback" not in done.stderr
+
+
+def test_a_tuning_trial_that_exports_nothing_is_not_warned_about(
+    vertex_env: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    vertex_env(base_output_dir=str(tmp_path / "base"), trial="7")
+
+    @main
+    def train(ctx: Context) -> None:
+        pass
+
+    with caplog.at_level(logging.INFO):
+        train()
+    said = [r for r in caplog.records if "nothing was written to the model directory" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.INFO]
+
+
+def test_tensorflow_options_reach_setup_tensorflow(runtime_env: Any) -> None:
+    with pytest.raises(ConfigError, match="add framework='tf'"):
+        main(strategy="mirrored")
+    ran: list[Context] = []
+
+    @main(framework="tf", strategy="no_such_strategy", legacy_keras=True)
+    def train(ctx: Context) -> None:
+        ran.append(ctx)
+
+    with pytest.raises(ConfigError, match=r"setup_tensorflow\(strategy='no_such_strategy'\)"):
+        train()
+    assert ran == []

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import numpy as np
@@ -16,6 +20,7 @@ from torch.utils.data import DataLoader
 import vertexrt.data
 import vertexrt.data.torch
 from vertexrt import paths
+from vertexrt._net import free_port
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps
 from vertexrt.errors import ConfigError
 from vertexrt.runtime import Context, Preempted, Trainer
@@ -285,3 +290,344 @@ def test_several_replicas_without_torch_distributed_is_a_clear_error(
     with pytest.raises(ConfigError, match=r"Trainer with 2 replicas needs torch.distributed"):
         Regression(ctx, regression_data).fit()
     ctx.close()
+
+
+class Counting(Trainer):
+    """10 list batches per epoch (a known length); evaluate() scores the step it runs at."""
+
+    def setup(self) -> None:
+        self.train_data = list(range(10))
+
+    def train_step(self, batch: int) -> dict[str, float]:
+        return {}
+
+    def evaluate(self) -> dict[str, float]:
+        return {"score": float(self.step)}
+
+    def export(self, model_dir: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("eval_every", [None, 5])
+def test_a_checkpoint_carries_the_metrics_of_its_own_step(
+    runtime_env: Any, tmp_path: Any, eval_every: int | None
+) -> None:
+    ctx = Context.create()
+    manager = CheckpointManager(str(tmp_path / "ckpt"), save_policy=EveryNSteps(5))
+    Counting(ctx, max_epochs=2, eval_every=eval_every, checkpoints=manager, progress_bar=False).fit()
+    ctx.close()
+    evaluated = [10, 20] if eval_every is None else [5, 10, 15, 20]
+    for step in manager.all_steps():
+        metrics = manager.metadata(step)["metrics"]
+        if step in evaluated:  # evaluated at this step: its checkpoint has these metrics, not the previous
+            assert metrics == {"score": float(step)}, step
+
+
+class SavesRecorded(CheckpointManager):
+    """A real manager that records the steps it committed to write."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.saved_steps: list[int] = []
+
+    def save(self, step: int, *args: Any, **kwargs: Any) -> bool:
+        saved = super().save(step, *args, **kwargs)
+        if saved:
+            self.saved_steps.append(step)
+        return saved
+
+
+def test_sigterm_in_an_evaluation_right_after_saving_that_step_never_rewrites_it(
+    runtime_env: Any, tmp_path: Any, regression_data: str
+) -> None:
+    reference, _ = run(Regression, str(tmp_path / "a"), regression_data)
+    ctx = Context.create()
+    ctx.install_preemption_handler()
+    ctx.checkpoints = manager = SavesRecorded(str(tmp_path / "b" / "ckpt"), save_policy=EveryNSteps(5))
+    first = Regression(ctx, regression_data, max_epochs=3, preempt_in_eval=(20, 2))
+    with pytest.raises(Preempted):
+        first.fit()
+    ctx.close()
+    assert manager.saved_steps == [5, 10, 15, 20]  # step 20 (saved before the epoch-end evaluation) once
+    second, code = run(Regression, str(tmp_path / "b"), regression_data)
+    assert code == 0 and first.evaluations + second.evaluations == [10, 20, 30]
+    assert first.seen + second.seen == reference.seen
+    assert_same_training(reference, second)
+
+
+def test_several_replicas_refuse_unequalized_data_naming_the_fix(runtime_env: Any, tmp_path: Any) -> None:
+    class Unequal(list):  # type: ignore[type-arg]
+        equalized = False
+
+    class OnUnequal(Counting):
+        def setup(self) -> None:
+            self.train_data = Unequal(range(10))
+
+    ctx = Context.create(rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="equalize='drop_remainder'"):
+        OnUnequal(
+            ctx, checkpoints=CheckpointManager(str(tmp_path / "c"), rank=0, world_size=2)
+        )._check_equalized(Unequal(range(10)))
+
+
+class Accumulating(Regression):
+    """Per-epoch accumulators assigned in setup() and updated each step; a setting from __init__."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.label = "config"  # __init__: configuration, not saved
+        self.best = -1.0
+        self.track("best")  # ... unless asked
+
+    def setup(self) -> None:
+        super().setup()
+        self.batches_in_epoch: list[int] = []
+        self.totals = {"steps": 0, "loss": 0.0}
+        self.handle = object()  # not JSON-able: never saved
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        metrics = super().train_step(batch)
+        self.batches_in_epoch = [*self.batches_in_epoch[-9:], self.step + 1]
+        self.totals["steps"] += 1
+        self.totals["loss"] += 0.5
+        self.best = max(self.best, float(self.step))
+        return metrics
+
+
+def test_plain_attributes_assigned_after_init_survive_a_resume(
+    runtime_env: Any, tmp_path: Any, regression_data: str
+) -> None:
+    reference, _ = run(Accumulating, str(tmp_path / "a"), regression_data)
+    first, code = run(Accumulating, str(tmp_path / "b"), regression_data, preempt_at=13)
+    assert code == 143
+    local = first.state()["local"]["_loop"].state_dict()["attributes"]
+    assert sorted(local) == ["batches_in_epoch", "best", "totals"]  # not label, handle, seen (from __init__)
+    second, code = run(Accumulating, str(tmp_path / "b"), regression_data)
+    assert code == 0
+    assert second.totals == reference.totals == {"steps": 30, "loss": 15.0}
+    assert second.batches_in_epoch == reference.batches_in_epoch and second.best == reference.best == 29.0
+    assert_same_training(reference, second)
+
+
+def test_resuming_off_vertex_says_so_loudly(
+    runtime_env: Any, tmp_path: Any, regression_data: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    run(Regression, str(tmp_path / "a"), regression_data, preempt_at=13)
+    caplog.clear()
+    run(Regression, str(tmp_path / "a"), regression_data)
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "resuming from" in r.getMessage()]
+    assert len(warned) == 1
+    assert f"resuming from {tmp_path / 'a' / 'ckpt'} (step 13)" in warned[0].getMessage()
+    assert "VERTEXRT_LOCAL_DIR" in warned[0].getMessage()
+
+
+def test_train_and_evaluation_metrics_go_to_tensorboard(
+    runtime_env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, regression_data: str
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("AIP_TENSORBOARD_LOG_DIR", str(tmp_path / "tb"))
+    ctx = Context.create()
+    ctx.checkpoints = CheckpointManager(str(tmp_path / "ckpt"), save_policy=EveryNSteps(100))
+    try:
+        Regression(ctx, regression_data, max_epochs=2, progress_interval=0.0).fit()
+    finally:
+        ctx.close()
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert scalars(events, "eval/score") == [(10, 10.0), (20, 20.0)]
+    assert [step for step, _ in scalars(events, "train/loss")] == list(range(1, 21))
+
+
+def scalars(events: Any, tag: str) -> list[tuple[int, float]]:
+    """A tag's (step, value) pairs, written by torch's writer or tf.summary (the backend ``auto`` picks)."""
+    if tag in events.Tags()["scalars"]:
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+    import tensorflow as tf
+
+    return [(e.step, float(tf.make_ndarray(e.tensor_proto))) for e in events.Tensors(tag)]
+
+
+def test_fit_runs_the_preflight_checks_unless_told_not_to(
+    runtime_env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    from vertexrt.errors import PreflightError
+
+    monkeypatch.setenv("AIP_CHECKPOINT_DIR", "/sys/x")
+    ctx = Context.create()
+    with pytest.raises(PreflightError, match="AIP_CHECKPOINT_DIR=/sys/x is not writable"):
+        Counting(ctx, checkpoints=CheckpointManager(str(tmp_path / "c")), progress_bar=False).fit()
+    trainer = Counting(ctx, checkpoints=CheckpointManager(str(tmp_path / "c")), preflight=False)
+    assert trainer.fit() == {"score": 10.0}
+    ctx.close()
+
+
+TWO_REPLICAS = """
+import json, sys
+import torch
+import vertexrt
+from vertexrt.checkpoint import CheckpointManager
+
+
+class Bare(vertexrt.Trainer):
+    def setup(self):
+        torch.manual_seed(self.ctx.rank)  # different initial weights on each rank
+        self.model = torch.nn.Linear(2, 1)  # a bare module, as a newcomer writes it
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
+        self.train_data = [torch.full((4, 2), float(self.ctx.rank + i)) for i in range(5)]  # its own shard
+
+    def train_step(self, x):
+        loss = (self.model(x) - 1.0).pow(2).mean()
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return {"loss": loss.detach()}
+
+    def evaluate(self):
+        for _ in self.interruptible(range(2)):
+            pass
+        rank = self.ctx.rank
+        return {"accuracy": ((0.9, 30), (0.6, 10))[rank], "loss": (1.0, 3.0)[rank]}
+
+    def export(self, model_dir):
+        self.exported = type(self.model).__name__
+
+
+@vertexrt.main(framework="torch")
+def train(ctx):
+    manager = CheckpointManager(sys.argv[1] + "/ckpt", rank=ctx.rank, world_size=ctx.world_size)
+    trainer = Bare(ctx, checkpoints=manager, progress_bar=False, tensorboard=False)
+    metrics = trainer.fit()
+    out = {
+        "metrics": metrics,
+        "weights": trainer.model.module.weight.tolist(),
+        "wrapped": type(trainer.model).__name__,
+        "saved_keys": sorted(trainer.state()["replicated"]["model"].state_dict()),
+        "exported": getattr(trainer, "exported", None),
+    }
+    with open(f"{sys.argv[1]}/rank{ctx.rank}.json", "w") as f:
+        json.dump(out, f)
+
+
+train([])
+"""
+
+
+def test_two_replicas_train_one_model_and_average_the_evaluation(runtime_env: Any, tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "two.py"
+    script.write_text(TWO_REPLICAS)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    env = {**os.environ, "VERTEXRT_LOG_FORMAT": "text"}
+    done = subprocess.run(
+        [*torchrun, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # gradients averaged: one model, not two
+    assert ranks[0]["wrapped"] == "DistributedDataParallel" and ranks[0]["exported"] == "Linear"
+    assert ranks[0]["saved_keys"] == ["bias", "weight"]  # the bare module's keys, as a 1-replica run saves
+    expected = {"accuracy": pytest.approx((0.9 * 30 + 0.6 * 10) / 40), "loss": pytest.approx(2.0)}
+    assert ranks[0]["metrics"] == ranks[1]["metrics"] == expected
+    reports = [json.loads(line) for line in runtime_env.read_text().splitlines()]
+    assert [float(r["accuracy"]) for r in reports if "accuracy" in r] == [
+        pytest.approx(0.825)
+    ]  # chief, averaged
+
+
+@pytest.mark.slow
+def test_tensor_parallel_dtensor_modules_are_checkpointed_through_dcp(tmp_path) -> None:
+    """A module whose parameters are DTensors (here distribute_module; FSDP2 in
+    tests/checkpoint/test_trainer_fsdp.py) is saved by every rank through DCP and restored in place."""
+    script = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+        import vertexrt
+
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:PORT", rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,))
+
+        class Parallel(vertexrt.Trainer):
+            def setup(self):
+                torch.manual_seed(0)
+                self.model = distribute_module(torch.nn.Linear(2, 2), mesh)
+                self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.5)
+                self.train_data = [torch.ones(1, 2)] * 2
+
+            def train_step(self, batch):
+                self.optimizer.zero_grad()
+                self.model(distribute_tensor(batch, mesh, [Replicate()])).sum().backward()
+                self.optimizer.step()
+                return {}
+
+        first = Parallel(vertexrt.Context.create(), max_steps=2, preflight=False, tensorboard=False)
+        first.fit()
+        again = Parallel(vertexrt.Context.create(), max_steps=2, preflight=False, tensorboard=False)
+        again.fit()  # restores step 2: nothing left to train
+        trained = first.model.weight.full_tensor()
+        assert again.step == 2 and torch.equal(again.model.weight.full_tensor(), trained)
+        torch.manual_seed(0)
+        assert not torch.equal(trained, torch.nn.Linear(2, 2).weight)  # it trained before the save
+        dist.destroy_process_group()
+        print("RESTORED")
+        """
+    ).replace("PORT", str(free_port()))
+    env = dict(os.environ, VERTEXRT_LOCAL_DIR=str(tmp_path))
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert "RESTORED" in done.stdout, done.stdout + done.stderr[-3000:]
+    assert "(step 2)" in done.stderr  # the second fit() resumed the first one's checkpoint
+
+
+def test_per_rank_state_for_dcp_packs_free_form_values_and_a_damaged_pack_is_a_typed_error() -> None:
+    """DCP unpickles values with weights_only (no numpy, no bytes): per-rank state is packed instead."""
+    import io
+
+    from vertexrt.checkpoint import rng_state
+    from vertexrt.errors import CheckpointCorruptError
+    from vertexrt.runtime.state import GeneratorState
+    from vertexrt.runtime.trainer_sharded import Packed
+
+    noise = np.random.default_rng(7)
+    state = {"noise": GeneratorState(noise), "rng": rng_state(), "counts": {"a": [1, 2]}, "w": torch.ones(3)}
+    buffer = io.BytesIO()
+    torch.save(Packed(state, "state of rank 0").state_dict(), buffer)  # as DCP writes a value
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    expected, torch_draw = noise.random(3), torch.rand(2)
+    target = {"noise": GeneratorState(np.random.default_rng(0)), "rng": rng_state(), "counts": None}
+    target["w"] = torch.zeros(3)
+    Packed(target, "state of rank 0").load_state_dict(saved)
+    assert np.array_equal(target["noise"].generator.random(3), expected)
+    assert torch.equal(torch.rand(2), torch_draw) and torch.equal(target["w"], torch.ones(3))
+    assert target["counts"] == {"a": [1, 2]}
+    for damaged in ({**saved, "blob": saved["blob"][:-8]}, {**saved, "blob": "#"}, {"tree": "{"}):
+        with pytest.raises(CheckpointCorruptError, match="state of rank 0"):
+            Packed(target, "state of rank 0").load_state_dict(damaged)
+
+
+@pytest.mark.slow
+def test_a_read_error_on_one_rank_stops_every_rank_instead_of_a_hang_or_a_silent_rollback(tmp_path) -> None:
+    script = os.path.join(os.path.dirname(__file__), "scripts", "restore_error_worker.py")
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), "2", str(port), str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        reports.append(json.loads(out.strip().splitlines()[-1]))
+    chief, other = reports
+    assert other["type"] == "CheckpointError" and "Input/output error" in other["message"], reports
+    assert chief["type"] == "CheckpointError" and "another rank" in chief["message"], reports

@@ -1,4 +1,4 @@
-"""StopVote: two real gloo processes stop at the same check, one check after one of them was notified."""
+"""StopVote: real gloo processes stop at the same call, soon after one of them was notified."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def _vote_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    vote = StopVote()
+    vote = StopVote(interval=0)  # a vote at every call
     answers = [vote(rank == 1 and call == 5) for call in range(10)]  # rank 1 is notified at call 5
     vote.drain()
     dist.destroy_process_group()
@@ -31,6 +31,36 @@ def test_every_rank_stops_at_the_same_call(tmp_path: Path) -> None:
     expected = "0 0 0 0 0 0 1 1 1 1"
     assert (tmp_path / "rank0").read_text() == expected
     assert (tmp_path / "rank1").read_text() == expected
+
+
+def _paced_worker(rank: int, port: int, out: str) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    vote = StopVote(interval=0.02)  # steps of ~2 ms: a vote every ~10 calls
+    answers = []
+    for call in range(150):
+        time.sleep(0.002)
+        answers.append(vote(rank == 1 and call >= 40))  # rank 1 is notified at call 40
+    vote.drain()
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}").write_text(" ".join("1" if a else "0" for a in answers))
+
+
+@pytest.mark.slow
+def test_votes_are_paced_by_the_step_time_and_every_rank_stops_at_the_same_call(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_paced_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    rank0, rank1 = (tmp_path / "rank0").read_text(), (tmp_path / "rank1").read_text()
+    assert rank0 == rank1
+    answers = rank0.split()
+    first = answers.index("1")
+    assert 41 <= first <= 40 + 2 * 10 + 5, first  # at most two votes late (cadence ~10 calls)
+    assert set(answers[first:]) == {"1"}
 
 
 def test_without_a_process_group_the_local_flag_is_the_answer() -> None:

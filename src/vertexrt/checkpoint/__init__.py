@@ -11,13 +11,16 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from vertexrt._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "CheckpointManager": "vertexrt.checkpoint.manager",
-    "FORMAT_VERSION": "vertexrt.checkpoint.manager",
-    "CheckpointCorruptError": "vertexrt.checkpoint.datafiles",
+    "FORMAT_VERSION": "vertexrt.checkpoint.manifest",
+    "CheckpointCorruptError": "vertexrt.errors",
+    "StepExistsError": "vertexrt.errors",
+    "StorageError": "vertexrt.errors",
     "EveryNSteps": "vertexrt.checkpoint.policies",
     "EveryNSeconds": "vertexrt.checkpoint.policies",
     "AnySave": "vertexrt.checkpoint.policies",
@@ -31,16 +34,35 @@ _EXPORTS: dict[str, str] = {
     "LastSave": "vertexrt.checkpoint.policies",
     "rng_state": "vertexrt.checkpoint.rng",
     "RngState": "vertexrt.checkpoint.rng",
-    "PreemptionNotice": "vertexrt.checkpoint.preemption",
-    "EXIT_CODE": "vertexrt.checkpoint.preemption",
+    "PREEMPTED_EXIT_CODE": "vertexrt.runtime.signals",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "AnyKeep",
+    "AnySave",
+    "CheckpointCorruptError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "EveryNSeconds",
+    "EveryNSteps",
+    "FORMAT_VERSION",
+    "KeepBest",
+    "KeepEveryNSteps",
+    "KeepLast",
+    "KeepPolicy",
+    "LastSave",
+    "RngState",
+    "SavePolicy",
+    "StepExistsError",
+    "StorageError",
+    "rng_state",
+]
 
 if TYPE_CHECKING:
-    from vertexrt.checkpoint.datafiles import CheckpointCorruptError  # noqa: F401
-    from vertexrt.checkpoint.manager import FORMAT_VERSION, CheckpointManager  # noqa: F401
-    from vertexrt.checkpoint.policies import (  # noqa: F401
+    from vertexrt.checkpoint.manager import CheckpointManager
+    from vertexrt.checkpoint.manifest import FORMAT_VERSION
+    from vertexrt.checkpoint.policies import (
         AnyKeep,
         AnySave,
         CheckpointInfo,
@@ -53,17 +75,9 @@ if TYPE_CHECKING:
         LastSave,
         SavePolicy,
     )
-    from vertexrt.checkpoint.preemption import EXIT_CODE, PreemptionNotice  # noqa: F401
-    from vertexrt.checkpoint.rng import RngState, rng_state  # noqa: F401
+    from vertexrt.checkpoint.rng import RngState, rng_state
+    from vertexrt.errors import CheckpointCorruptError, StepExistsError, StorageError
+    from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'vertexrt.checkpoint' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, listed=__all__)

@@ -5,6 +5,8 @@ that is already imported (``sys.modules``), so saving plain state never imports 
 
 Each leaf kind encodes to ``(meta, data)``: JSON-able ``meta`` (dtype, shape) and a 1-D ``uint8`` numpy
 array over the bytes (a view of live memory when possible; ``owned`` says it is already a private copy).
+A tensor on an accelerator is not copied here: ``device`` holds its flat byte view and ``data`` is None
+until :mod:`vertexrt.checkpoint.staging` copies it to host memory.
 """
 
 from __future__ import annotations
@@ -24,8 +26,13 @@ class Encoded:
 
     kind: str
     meta: dict[str, Any]
-    data: Any  # numpy.ndarray, 1-D uint8, C-contiguous
+    data: Any  # numpy.ndarray, 1-D uint8, C-contiguous; None while the bytes are still on ``device``
     owned: bool  # True when ``data`` is already a private copy (no snapshot needed)
+    device: Any = None  # a flat uint8 torch tensor on an accelerator, staged to host by ``staging``
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.device.numel()) if self.data is None else len(self.data)
 
 
 def is_torch_tensor(value: Any) -> bool:
@@ -58,13 +65,18 @@ def encode_torch(tensor: Any) -> Encoded:
 
     if tensor.layout != torch.strided or tensor.is_quantized:
         raise TypeError(f"a {tensor.layout} / quantized tensor (only dense tensors are supported)")
-    owned = tensor.device.type != "cpu"
-    flat = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous().reshape(-1)
-    data = flat.view(torch.uint8).numpy() if flat.numel() else _empty_bytes()
+    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     meta = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+    if not flat.numel():
+        data = _empty_bytes()
+    elif tensor.device.type != "cpu":  # no copy here: staging copies it without blocking the caller
+        meta["device"] = str(tensor.device)
+        return Encoded("torch", meta, None, False, flat.view(torch.uint8))
+    else:
+        data = flat.view(torch.uint8).numpy()
     if tensor.device.type != "cpu":
         meta["device"] = str(tensor.device)
-    return Encoded("torch", meta, data, owned)
+    return Encoded("torch", meta, data, False)
 
 
 def encode_numpy(array: Any) -> Encoded:
@@ -136,8 +148,11 @@ def assign(target: Any, value: Any, path: str) -> Any:
 
         source = value if is_torch_tensor(value) else torch.as_tensor(value)
         _check_shape(tuple(target.shape), tuple(source.shape), path)
+        from vertexrt.checkpoint import staging
+
         with torch.no_grad():
-            target.copy_(source)
+            if not staging.copy_to_device(source, target):  # a CUDA target: pinned, non-blocking
+                target.copy_(source)
         return target
     if is_numpy(target) and not _is_np_scalar(target):
         import numpy as np

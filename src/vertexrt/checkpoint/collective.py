@@ -6,11 +6,8 @@ initialised a process group.
 
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 def torch_dist() -> Any | None:
@@ -25,25 +22,18 @@ def torch_dist() -> Any | None:
 
 
 def resolve(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """``(rank, world_size)``: the arguments, else torch.distributed, else ``distributed.cluster()``."""
+    """``(rank, world_size)``: the arguments, else :func:`vertexrt.distributed.world_info` (the one owner).
+
+    Raises:
+        ClusterSpecError: the cluster description is malformed (guessing "rank 0 of 1" would make every
+            replica a writer).
+    """
     if rank is not None and world_size is not None:
         return rank, world_size
-    dist = torch_dist()
-    if dist is not None:
-        return (dist.get_rank() if rank is None else rank), (
-            dist.get_world_size() if world_size is None else world_size
-        )
-    try:
-        from vertexrt.distributed import cluster
+    from vertexrt.distributed import world_info
 
-        info = cluster()
-        found = int(info.rank), int(info.world_size)
-    except ImportError:
-        found = (0, 1)
-    except Exception as exc:  # a malformed cluster description must not stop single-process saves
-        log.warning("could not read the cluster description (%s); assuming rank 0 of 1", exc)
-        found = (0, 1)
-    return (found[0] if rank is None else rank), (found[1] if world_size is None else world_size)
+    info = world_info()
+    return (info.rank if rank is None else rank), (info.world_size if world_size is None else world_size)
 
 
 def broadcast(value: Any, dist: Any | None) -> Any:
@@ -55,13 +45,80 @@ def broadcast(value: Any, dist: Any | None) -> Any:
     return box[0]
 
 
-def any_rank(flag: bool, dist: Any | None) -> bool:
-    """True when ``flag`` is True on any rank (an all-reduce MAX)."""
+def all_gather(value: Any, dist: Any | None) -> list[Any]:
+    """Every rank's ``value``, in rank order (one object all-gather on the CPU side group: never the GPU).
+
+    Example:
+        >>> all_gather({"loss": 0.5}, None)
+        [{'loss': 0.5}]
+    """
     if dist is None or dist.get_world_size() == 1:
-        return flag
+        return [value]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, value, group=cpu_group(dist))
+    return everyone
+
+
+def all_max(values: list[int], dist: Any | None) -> list[int]:
+    """The element-wise maximum of ``values`` over all ranks (one blocking all-reduce)."""
+    if dist is None or dist.get_world_size() == 1:
+        return list(values)
+    tensor = _tensor(values, dist)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
+class LateBroadcast:
+    """Rank 0's few integers, sent with a non-blocking broadcast now and read at a later call.
+
+    Every rank calls :meth:`start` and :meth:`result` at the same points, so all ranks read the same values
+    at the same call, without waiting on the wire when they are read a step or more after they were sent.
+    CPU tensors on :func:`cpu_group`: the GPU is never synchronised.
+    """
+
+    def __init__(self) -> None:
+        self._pending: tuple[Any, Any] | None = None
+
+    def start(self, values: list[int], dist: Any) -> None:
+        import torch
+
+        self.drain()
+        tensor = torch.tensor(values, dtype=torch.int64)
+        self._pending = (dist.broadcast(tensor, src=0, group=cpu_group(dist), async_op=True), tensor)
+
+    def result(self) -> list[int] | None:
+        """Rank 0's values of the last :meth:`start`, or None when none is in flight."""
+        if self._pending is None:
+            return None
+        work, tensor = self._pending
+        self._pending = None
+        work.wait()
+        return [int(v) for v in tensor.tolist()]
+
+    def drain(self) -> None:
+        """Wait for the broadcast in flight (before the process group goes away)."""
+        self.result()
+
+
+def _tensor(values: list[int], dist: Any) -> Any:
     import torch
 
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return bool(tensor.item())
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+_CPU_GROUP: list[Any] = []  # [default group, its gloo side group] once created
+
+
+def cpu_group(dist: Any) -> Any:
+    """A process group for small CPU-tensor collectives: the default group under gloo, else a gloo side group.
+
+    Votes and flags then never touch the GPU (no CUDA tensor, no ``.item()`` stalling on the stream). The side
+    group is created on first use, which every rank reaches at the same collective call.
+    """
+    if dist.get_backend() == "gloo":
+        return None
+    world = dist.group.WORLD
+    if not _CPU_GROUP or _CPU_GROUP[0] is not world:
+        _CPU_GROUP[:] = [world, dist.new_group(backend="gloo")]
+    return _CPU_GROUP[1]

@@ -14,15 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vertexrt.checkpoint.storage import Store
-from vertexrt.errors import CheckpointError
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A committed checkpoint failed verification (checksum, size, missing file or unreadable manifest)."""
-
-    def __init__(self, message: str, file: str | None = None) -> None:
-        super().__init__(message)
-        self.file = file
+from vertexrt.errors import CheckpointCorruptError
 
 
 def crc32c(data: Any) -> int:
@@ -79,25 +71,21 @@ def write(
     part_size: int,
     threads: int,
 ) -> dict[str, int]:
-    """Write ``buffers`` (1-D uint8 arrays) into part files; fill each node's ``chunks``; name -> size."""
+    """Write ``buffers`` (1-D uint8 arrays) into part files; fill each node's ``chunks``; name -> size.
+
+    When ``buffers`` has a ``ready(leaf)`` method (``staging.Staged``), it is called before a leaf's bytes
+    are read, so leaf k is checksummed and written while leaf k+1 is still being copied off the GPU.
+    """
     layout = plan([len(b) for b in buffers], part_size)
+    ready = getattr(buffers, "ready", None)  # staging.Staged: a GPU leaf's copy may still be in flight
     for node in nodes:
         node["chunks"] = []
 
     def write_part(index: int) -> tuple[str, int, list[tuple[int, list[int]]]]:
-        import numpy as np
-
-        views, chunks, end = [], [], 0
-        for leaf, start, offset, length in layout[index]:
-            if offset > end:
-                views.append(np.zeros(offset - end, dtype=np.uint8))
-            view = buffers[leaf][start : start + length]
-            views.append(view)
-            chunks.append((leaf, [index, offset, length, crc32c(view)]))
-            end = offset + length
+        pieces = _Pieces(buffers, layout[index], index, ready)
         name = part_name(prefix, index)
-        store.write_file(store.join(directory, name), views)
-        return name, end, chunks
+        store.write_file(store.join(directory, name), pieces)
+        return name, pieces.end, pieces.chunks()
 
     files: dict[str, int] = {}
     for name, size, chunks in _run(write_part, range(len(layout)), threads):
@@ -107,6 +95,55 @@ def write(
     for node in nodes:
         node["chunks"].sort()
     return files
+
+
+class _Pieces(Sequence[Any]):
+    """A part's byte views in file order (zero gaps included), each made ready and checksummed on access.
+
+    Reading them in order (as ``Store.write_file`` does) interleaves wait, CRC and write per leaf.
+    """
+
+    def __init__(
+        self, buffers: Sequence[Any], layout: list[tuple[int, int, int, int]], part: int, ready: Any
+    ) -> None:
+        import numpy as np
+
+        self._views: list[tuple[int | None, Any, int, int]] = []  # leaf (None: gap), view/bytes, offset
+        end = 0
+        for leaf, start, offset, length in layout:
+            if offset > end:
+                self._views.append((None, np.zeros(offset - end, dtype=np.uint8), end, offset - end))
+            self._views.append((leaf, (start, length), offset, length))
+            end = offset + length
+        self.end = end
+        self._buffers, self._part, self._ready = buffers, part, ready
+        self._crcs: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        leaf, view, _, _ = self._views[i]
+        if leaf is None:
+            return view
+        if self._ready is not None:
+            self._ready(leaf)
+        start, length = view
+        data = self._buffers[leaf][start : start + length]
+        if i not in self._crcs:
+            self._crcs[i] = crc32c(data)
+        return data
+
+    def chunks(self) -> list[tuple[int, list[int]]]:
+        out = []
+        for i, (leaf, _, offset, length) in enumerate(self._views):
+            if leaf is not None:
+                if i not in self._crcs:
+                    self[i]
+                out.append((leaf, [self._part, offset, length, self._crcs[i]]))
+        return out
 
 
 def read(

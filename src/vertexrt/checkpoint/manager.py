@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import logging
 import operator
-import sys
-import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
-from vertexrt.checkpoint import collective, datafiles, serialization, storage
-from vertexrt.checkpoint.datafiles import CheckpointCorruptError
+from vertexrt.checkpoint import collective, datafiles, dcp, restoring, serialization, sharded, storage
+from vertexrt.checkpoint import manifest as fmt
+from vertexrt.checkpoint.decision import SaveDecision
+from vertexrt.checkpoint.manifest import FORMAT, FORMAT_VERSION
 from vertexrt.checkpoint.policies import (
-    AnySave,
     CheckpointInfo,
     EveryNSteps,
     KeepLast,
@@ -35,13 +35,15 @@ from vertexrt.checkpoint.policies import (
     LastSave,
     SavePolicy,
 )
-from vertexrt.checkpoint.preemption import PreemptionNotice
-from vertexrt.errors import CheckpointError, ConfigError
+from vertexrt.checkpoint.retention import Retention
+from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, StepExistsError
 
 log = logging.getLogger(__name__)
 
-FORMAT = "vertexrt.checkpoint"
-FORMAT_VERSION = 1
+__all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointManager", "StepExistsError"]
+
+#: Rounds of re-listing when a restore finds no usable step while writers change the directory.
+_RESTORE_ROUNDS = 3
 
 
 class CheckpointManager:
@@ -49,12 +51,13 @@ class CheckpointManager:
 
     Args:
         directory: where the ``step_<N>`` directories live; default ``environment().checkpoint_dir``.
-        save_policy: when ``save()`` really saves (default ``EveryNSteps(1)``: every call).
+        save_policy: when ``save()`` really saves (default ``EveryNSteps(1)``: every call). With several
+            ranks, a clock-based policy is rank 0's decision, applied on every rank a few calls later.
         keep_policy: which committed steps survive (default ``KeepLast(3)``; the newest is always kept).
         async_save: snapshot on the caller's thread, write on a background thread (one save in flight).
-        rank, world_size: this process's place; default torch.distributed, else ``vertexrt.distributed``.
+        rank, world_size: this process's place; default ``vertexrt.distributed.world_info()``.
         allow_pickle: pickle objects that are not tensors/arrays/JSON values (and unpickle them on restore).
-        save_on_preemption: install the SIGTERM flag handler now (see :meth:`save_on_preemption`).
+        save_on_preemption: subscribe to the preemption notice now (see :meth:`save_on_preemption`).
         stale_after: seconds after which another host's unfinished save counts as abandoned.
         commit_timeout: seconds the chief waits for every rank's shard before giving up a sharded save.
     """
@@ -93,18 +96,22 @@ class CheckpointManager:
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"CheckpointManager: rank {self.rank} is outside world_size {self.world_size}")
         self._strategy = storage.strategy_for(self.directory, stale_after)
+        self._retention = Retention(self._strategy, self.keep_policy, self._manifest)
+        self._decide_policy = SaveDecision(self.save_policy, self.world_size)
         self._start = time.time()
         self._last: tuple[int | None, float | None] = (None, None)  # (step, time) of the previous save
-        self._infos: dict[int, CheckpointInfo] = {}
-        self._thread: threading.Thread | None = None
-        self._deleter: threading.Thread | None = None  # retention runs after the commit, off the caller
-        self._error: BaseException | None = None
-        self._arena: Any = None
-        self._notice: PreemptionNotice | None = None
+        self._writer: ThreadPoolExecutor | None = None  # one long-lived writer thread, made on first use
+        self._deleter: ThreadPoolExecutor | None = None  # one retention thread, fed by the writer
+        self._pending: Future[None] | None = None  # the save in flight
+        self._deleting: Future[None] | None = None  # the newest retention pass
+        self._staging: Any = None
+        self._subscription: Any = None
+        self._vote: Any = None
+        self._preempted = False
         self._closed = False
         self.restored_step: int | None = None
         if self.rank == 0:
-            removed = self._strategy.cleanup()
+            removed = self._strategy.cleanup() + self._retention.sweep()
             if removed:
                 log.info("removed unfinished checkpoint leftovers in %s: %s", self.directory, removed)
         if save_on_preemption:
@@ -123,7 +130,7 @@ class CheckpointManager:
         self._join_deleter()
         for step in reversed(self._strategy.committed_steps()):
             try:
-                self._check_files(step, self._manifest(step))
+                restoring.check_files(self._strategy, step, self._manifest(step))
                 return step
             except CheckpointCorruptError as exc:
                 log.warning("checkpoint step %d in %s is unusable: %s", step, self.directory, exc)
@@ -131,10 +138,11 @@ class CheckpointManager:
 
     def metadata(self, step: int) -> dict[str, Any]:
         """A committed step's manifest fields (``step``, ``time``, ``metrics``, ``frameworks``, ...)."""
-        manifest = self._manifest(step)
-        return {k: v for k, v in manifest.items() if k != "shards"}
+        return {k: v for k, v in self._manifest(step).items() if k != "shards"}
 
-    def restore(self, target: Any = None, step: int | None = None, shard: int | None = None) -> Any:
+    def restore(
+        self, target: Any = None, step: int | None = None, shard: int | None = None, *, device: Any = None
+    ) -> Any:
         """Load the newest valid checkpoint (or ``step``); returns None when there is none.
 
         With ``target`` (a state tree of live objects), modules, optimizers, tensors, arrays, TF variables,
@@ -144,39 +152,35 @@ class CheckpointManager:
         (writable; writes never reach the checkpoint; valid after the step is deleted).
 
         A corrupt or incomplete step is skipped with a warning naming the file, and the previous committed
-        step is tried (not when ``step`` is given: then the error is raised). ``shard`` (default: this rank
-        for sharded checkpoints) picks the per-rank shard.
+        step is tried (not when ``step`` is given: then the error is raised). With torch.distributed, every
+        rank must call ``restore()``: the ranks restore the same step, the newest that is valid on all of
+        them. A sharded step written by a different number of ranks is the same error on every rank.
+        ``shard`` (default: this rank for sharded checkpoints) picks the per-rank shard. Torch tensors come
+        back on ``device`` (e.g. ``"cuda"``, ``"cpu"``) when given; without it and without ``target``, on
+        the device they were saved from, or on the CPU with a warning when this machine lacks it.
 
         Raises:
-            CheckpointError: no step could be read, a newer format, or the target does not match.
+            CheckpointError: no step could be read, a newer format, a different world size for a sharded
+                checkpoint, or the target does not match.
         """
         self.wait()
-        candidates = [step] if step is not None else list(reversed(self._strategy.committed_steps()))
-        failures = []
-        for candidate in candidates:
-            try:
-                result = self._restore_step(candidate, target, shard)
-            except CheckpointCorruptError as exc:
-                if step is not None:
-                    raise
-                log.warning(
-                    "skipping checkpoint step %d in %s and falling back to an earlier step: %s",
-                    candidate,
-                    self.directory,
-                    exc,
-                )
-                failures.append(f"step {candidate}: {exc}")
-                continue
-            self.restored_step = candidate
-            self._last = (candidate, None)
-            return result
-        if failures:
-            raise CheckpointError(
-                f"no usable checkpoint in {self.directory}: "
-                + "; ".join(failures)
-                + ". Delete the directory to start over, or restore(step=...) a specific step"
-            )
-        return None
+        if dcp.wanted(self, target, step):  # sharded (DTensor) state: DCP reshards onto this world
+            return dcp.restore(self, target, step)
+        verify = lambda s: restoring.load(
+            self._strategy,
+            s,
+            rank=self.rank,
+            world_size=self.world_size,
+            shard=shard,
+            allow_pickle=self.allow_pickle,
+        )
+        loaded = verify(step) if step is not None else self._agreed_newest(verify)
+        if loaded is None:
+            return None
+        result = restoring.decode(loaded, target, device)
+        self.restored_step = loaded.step
+        self._last = (loaded.step, None)
+        return result
 
     # -- writing -------------------------------------------------------------------------------------------
 
@@ -187,6 +191,7 @@ class CheckpointManager:
         metrics: Mapping[str, float] | None = None,
         force: bool = False,
         shard: int | None = None,
+        overwrite: bool = False,
     ) -> bool:
         """Save ``state`` as ``step`` if the save policy (or ``force``) says so; returns whether it saves.
 
@@ -194,6 +199,10 @@ class CheckpointManager:
         its own state as shard ``k`` and rank 0 commits once all shards are written. With ``async_save``
         the state is snapshotted before returning and written in the background; the next ``save``,
         ``wait`` or ``close`` re-raises a background failure. After a preemption notice saves are synchronous.
+
+        A committed step is never replaced silently: saving it again raises :class:`StepExistsError`,
+        unless ``overwrite=True``, which swaps in the new version atomically (the step stays committed
+        throughout; the old version's files are deleted after the swap).
         """
         self._check_open()
         self._raise_finished_error()
@@ -203,6 +212,10 @@ class CheckpointManager:
         if not self._decide(step, force):
             return False
         self.wait()
+        if dcp.holds_dtensors(state):  # sharded (DTensor) state: every rank writes its shards via DCP
+            dcp.save(self, step, state, _metrics(metrics), overwrite)
+            self._last = (step, time.time())
+            return True
         dist = collective.torch_dist()
         if shard is not None and self.world_size > 1 and dist is None:
             raise ConfigError(
@@ -215,42 +228,59 @@ class CheckpointManager:
         if shard is None and self.rank != 0:
             self._last = (step, time.time())
             return True
+        if not overwrite and self._strategy.is_committed(step):
+            raise StepExistsError(
+                f"step {step} is already committed in {self.directory}; pass overwrite=True to save(...) to "
+                "replace it atomically, or save a new step number"
+            )
         tree, leaves = serialization.encode(state, allow_pickle=self.allow_pickle)
         nodes = [node for node, _ in leaves]
         clean_metrics = _metrics(metrics)
         self._last = (step, time.time())
-        blocking = not self.async_save or (self._notice is not None and self._notice.requested)
-        buffers = [enc.data for _, enc in leaves] if blocking else self._snapshot([enc for _, enc in leaves])
-        args = (step, tree, nodes, buffers, clean_metrics, token, shard)
+        blocking = not self.async_save or self._preempted or self._notice_arrived()
+        encoded = [enc for _, enc in leaves]
+        buffers = self._stager().stage(encoded, copy_host=False) if blocking else self._snapshot(encoded)
+        args = (step, tree, nodes, buffers, clean_metrics, token, shard, overwrite)
         if blocking:
             self._write(*args)
         else:
-            self._thread = threading.Thread(
-                target=self._background, args=args, name=f"vertexrt-checkpoint-{step}", daemon=False
-            )
-            self._thread.start()
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-writer")
+            self._pending = self._writer.submit(self._write, *args)
         return True
 
     def wait(self) -> None:
         """Block until the save in flight is committed; re-raise its error if it failed."""
-        thread = self._thread
-        if thread is not None:
-            thread.join()
-            self._thread = None
-        self._join_deleter()
-        self._raise_error()
+        pending, self._pending = self._pending, None
+        try:
+            if pending is not None:
+                pending.result()
+        finally:
+            self._join_deleter()
 
     def close(self) -> None:
-        """Finish the save in flight, remove the preemption handler and free the snapshot buffer."""
+        """Finish the save in flight and retention, release the preemption notice, free the snapshot."""
         if self._closed:
             return
         try:
             self.wait()
         finally:
             self._closed = True
-            self._arena = None
-            if self._notice is not None:
-                self._notice.uninstall()
+            if self._staging is not None:  # the stager: its copy threads and pinned arena
+                self._staging.close()
+                self._staging = None
+            for pool in (self._writer, self._deleter):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            for drain in (self._decide_policy.drain, getattr(self._vote, "drain", None)):
+                if drain is not None:
+                    try:
+                        drain()
+                    except Exception as exc:  # e.g. the process group is gone already
+                        log.debug("draining a collective at close: %s", exc)
+            if self._subscription is not None:
+                self._subscription.close()
+                self._subscription = None
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -269,62 +299,82 @@ class CheckpointManager:
     # -- preemption ----------------------------------------------------------------------------------------
 
     def save_on_preemption(self) -> None:
-        """Install a SIGTERM handler that only sets a flag (chaining the previous handler).
+        """Subscribe to the process-wide SIGTERM notice (``vertexrt.runtime.signals``); idempotent.
 
         Poll :meth:`preemption_requested` at step boundaries; when True, ``save(step, state, force=True)``
         (synchronous from then on), ``close()`` and exit with status 143 (128 + SIGTERM).
         """
-        if self._notice is None:
-            self._notice = PreemptionNotice().install()
+        if self._subscription is None:
+            from vertexrt.runtime.signals import preemption_signal
+
+            self._subscription = preemption_signal().subscribe()
 
     def preemption_requested(self) -> bool:
-        """True once SIGTERM arrived here or, with torch.distributed, on any rank (all ranks must call it)."""
-        local = self._notice is not None and self._notice.requested
-        agreed = collective.any_rank(local, collective.torch_dist())
-        if agreed and self._notice is not None:
-            self._notice.requested = True
-        return agreed
+        """True once SIGTERM arrived on any rank; all ranks must call it at the same points.
+
+        With torch.distributed the ranks agree one call after the notice (a non-blocking vote), so they
+        all see True at the same call.
+        """
+        if self._vote is None:
+            from vertexrt.runtime.vote import StopVote
+
+            self._vote = StopVote()
+        local = self._subscription is not None and bool(self._subscription.requested)
+        if self._vote(local):
+            if not self._preempted and self._subscription is not None and not local:
+                from vertexrt.runtime.signals import preemption_signal
+
+                preemption_signal().request()  # decided by another rank: the same notice here
+            self._preempted = True
+        return self._preempted
 
     # -- internals -----------------------------------------------------------------------------------------
 
+    def _notice_arrived(self) -> bool:
+        if self._subscription is None:
+            return False
+        from vertexrt.runtime.signals import preemption_signal
+
+        return preemption_signal().requested
+
     def _decide(self, step: int, force: bool) -> bool:
-        if force:
-            return True
         last_step, last_time = self._last
-        decision = bool(
-            self.save_policy.should_save(
-                step, LastSave(step=last_step, time=last_time, now=time.time(), start_time=self._start)
-            )
+        last = LastSave(step=last_step, time=last_time, now=time.time(), start_time=self._start)
+        decision = self._decide_policy(step, last, rank=self.rank, dist=collective.torch_dist)
+        return force or decision
+
+    def _agreed_newest(self, verify: Any) -> restoring.Loaded | None:
+        dist = collective.torch_dist() if self.world_size > 1 else None
+        failures: list[str] = []
+        tried: list[int] | None = None
+        for _ in range(_RESTORE_ROUNDS):
+            listed = list(reversed(self._strategy.committed_steps()))
+            candidates = collective.broadcast(listed, dist)
+            if candidates == tried:
+                break
+            loaded, failed = restoring.agree(candidates, verify, dist, self.directory)
+            if loaded is not None:
+                return loaded
+            failures = failed
+            if not failures:
+                return None
+            tried = candidates  # a writer may have changed the directory meanwhile: look again
+        raise CheckpointError(
+            f"no usable checkpoint in {self.directory}: "
+            + "; ".join(failures)
+            + ". Delete the directory to start over, or restore(step=...) a specific step"
         )
-        if self.world_size > 1 and not _step_only(self.save_policy):
-            decision = bool(collective.broadcast(decision, collective.torch_dist()))
-        return decision
 
     def _snapshot(self, encoded: list[Any]) -> list[Any]:
-        """Private copies of the leaves that still point at live memory, in one reused buffer."""
-        import numpy as np
+        """Private host copies of the leaves (GPU leaves: enqueued, see ``staging``), in one reused arena."""
+        return self._stager().stage(encoded, copy_host=True)
 
-        need = sum(len(e.data) for e in encoded if not e.owned)
-        if self._arena is None or len(self._arena) < need:
-            self._arena = None
-            self._arena = np.empty(need, dtype=np.uint8)
-        out, cursor = [], 0
-        for e in encoded:
-            if e.owned:
-                out.append(e.data)
-                continue
-            n = len(e.data)
-            view = self._arena[cursor : cursor + n]
-            np.copyto(view, e.data)
-            out.append(view)
-            cursor += n
-        return out
+    def _stager(self) -> Any:
+        from vertexrt.checkpoint.staging import Stager
 
-    def _background(self, *args: Any) -> None:
-        try:
-            self._write(*args)
-        except BaseException as exc:  # re-raised on the caller's thread
-            self._error = exc
+        if self._staging is None:
+            self._staging = Stager()
+        return self._staging
 
     def _write(
         self,
@@ -335,6 +385,7 @@ class CheckpointManager:
         metrics: dict[str, float],
         token: str,
         shard: int | None,
+        overwrite: bool,
     ) -> None:
         strategy = self._strategy
         write_dir = strategy.begin(step, token)
@@ -353,209 +404,65 @@ class CheckpointManager:
             if shard is None:
                 bodies = [body]
             else:
-                name = f"shard.{shard:05d}.{token}.json"
-                strategy.store.write_atomic(strategy.store.join(write_dir, name), _dumps(body))
+                sharded.publish(strategy.store, write_dir, token, shard, body)
                 if self.rank != 0:
                     return
-                bodies = self._gather_shards(write_dir, token)
-            now = time.time()
-            manifest = {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                "vertexrt_version": _version(),
-                "step": step,
-                "time": now,
-                "metrics": metrics,
-                "frameworks": _frameworks(),
-                "world_size": self.world_size,
-                "sharded": shard is not None,
-                "shards": bodies,
-            }
-            strategy.commit(step, write_dir, _dumps(manifest), token)
+                bodies = sharded.gather(
+                    strategy.store, write_dir, token, world_size=self.world_size, timeout=self.commit_timeout
+                )
+            manifest = fmt.build(
+                step=step,
+                world_size=self.world_size,
+                sharded=shard is not None,
+                shards=bodies,
+                metrics=metrics,
+            )
+            replaced = strategy.commit(step, write_dir, fmt.dumps(manifest), token, overwrite)
         except BaseException as exc:
             if self.rank == 0 or shard is None:
                 _quietly(strategy.abort, write_dir, token)
             elif shard is not None:
-                failed = strategy.store.join(write_dir, f"shard.{shard:05d}.{token}.failed")
-                _quietly(strategy.store.write_atomic, failed, repr(exc).encode())
+                _quietly(sharded.fail, strategy.store, write_dir, token, shard, exc)
             if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
                 raise
             raise CheckpointError(
                 f"saving step {step} to {self.directory} failed: {exc}. Earlier checkpoints are untouched; "
                 "check free space / permissions of the checkpoint directory"
             ) from exc
-        self._infos[step] = CheckpointInfo(step, now, metrics)
+        if replaced is not None:
+            self._retire(step, replaced, manifest)
+        self._retention.infos[step] = CheckpointInfo(step, manifest["time"], metrics)
         log.info("checkpoint step %d committed in %s", step, self.directory)
         if self.rank == 0:
-            self._join_deleter()
-            self._deleter = threading.Thread(
-                target=self._retain_logged,
-                args=(token, step),
-                name="vertexrt-checkpoint-retention",
-                daemon=False,
-            )
-            self._deleter.start()
+            if self._deleter is None:
+                self._deleter = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-retention")
+            self._deleting = self._deleter.submit(self._retention.apply, step, token)
 
-    def _join_deleter(self) -> None:
-        deleter = self._deleter
-        if deleter is not None:
-            deleter.join()
-            if self._deleter is deleter:  # the writer thread may have started a newer one meanwhile
-                self._deleter = None
-
-    def _gather_shards(self, write_dir: str, token: str) -> list[dict[str, Any]]:
-        import orjson
-
-        store = self._strategy.store
-        deadline = time.monotonic() + self.commit_timeout
-        delay = 0.01
-        while True:
-            names = [e.name for e in store.listdir(write_dir) if token in e.name]
-            failed = [n for n in names if n.endswith(".failed")]
-            if failed:
-                raise CheckpointError(f"a rank failed to write its shard in {write_dir}: {failed}")
-            done = sorted(n for n in names if n.startswith("shard.") and n.endswith(".json"))
-            if len(done) >= self.world_size:
-                return [orjson.loads(store.read_bytes(store.join(write_dir, n))) for n in done]
-            if time.monotonic() > deadline:
-                raise CheckpointError(
-                    f"only {len(done)} of {self.world_size} shards arrived in {write_dir} within "
-                    f"{self.commit_timeout:.0f} s: did every rank call save(..., shard=rank)?"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.5)
-
-    def _retain_logged(self, token: str, saved: int) -> None:
-        try:
-            self._retain(token, saved)
-        except Exception as exc:  # retention must never fail a save that is already committed
-            log.warning("applying the keep policy in %s failed: %s", self.directory, exc)
-
-    def _retain(self, token: str, saved: int) -> None:
-        """Apply the keep policy; the step just saved and the newest step are always kept."""
-        steps = self._strategy.committed_steps()
-        if steps and steps[-1] > saved:
-            log.warning(
-                "saved step %d in %s, but step %d is newer: restore() returns the newest step, so delete the "
-                "newer steps if training was rolled back",
-                saved,
-                self.directory,
-                steps[-1],
-            )
-        if len(steps) <= 1:
-            return
-        infos = []
-        for step in steps:
-            info = self._infos.get(step)
-            if info is None:
-                try:
-                    manifest = self._manifest(step)
-                    info = CheckpointInfo(step, float(manifest["time"]), manifest.get("metrics") or {})
-                except CheckpointError:
-                    info = CheckpointInfo(step, 0.0, {})
-                self._infos[step] = info
-            infos.append(info)
-        keep = self.keep_policy.keep(infos)
-        for info, kept in zip(infos[:-1], keep[:-1], strict=True):  # the newest is always kept
-            if not kept and info.step != saved:
-                try:
-                    self._strategy.delete(info.step, token)
-                    self._infos.pop(info.step, None)
-                    log.info("deleted checkpoint step %d (keep policy)", info.step)
-                except Exception as exc:
-                    log.warning(
-                        "could not delete checkpoint step %d in %s: %s", info.step, self.directory, exc
-                    )
-
-    def _manifest(self, step: int) -> dict[str, Any]:
-        import orjson
-
+    def _retire(self, step: int, replaced: bytes, manifest: dict[str, Any]) -> None:
+        """Delete the files of the version an overwrite replaced (the new manifest names none of them)."""
         name = self._strategy.store.join(self._strategy.step_dir(step), storage.MANIFEST)
         try:
-            manifest = orjson.loads(self._strategy.read_manifest(step))
-        except FileNotFoundError:
-            raise CheckpointCorruptError(
-                f"manifest {name} disappeared (deleted by another writer?)", file=name
-            )
-        except orjson.JSONDecodeError as exc:
-            raise CheckpointCorruptError(f"manifest {name} is not valid JSON: {exc}", file=name) from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise CheckpointCorruptError(f"{name} is not a vertexrt checkpoint manifest", file=name)
-        version = manifest.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
-            raise CheckpointError(
-                f"{name} has checkpoint format version {version!r}, written by vertexrt "
-                f"{manifest.get('vertexrt_version')}; this vertexrt ({_version()}) reads up to version "
-                f"{FORMAT_VERSION}: upgrade vertexrt to restore it"
-            )
-        return manifest  # type: ignore[no-any-return]
+            old = fmt.referenced(fmt.parse(replaced, name=name))
+        except CheckpointError as exc:
+            log.warning("the replaced manifest of step %d was unreadable (%s): its files stay", step, exc)
+            return
+        self._strategy.remove_files(step, sorted(old - fmt.referenced(manifest)))
 
-    def _check_files(self, step: int, manifest: dict[str, Any]) -> None:
-        directory = self._strategy.step_dir(step)
-        present = {e.name: e.size for e in self._strategy.store.listdir(directory)}
-        for body in manifest["shards"]:
-            for name, size in body["files"].items():
-                if present.get(name) != size:
-                    path = self._strategy.store.join(directory, name)
-                    what = "is missing" if name not in present else f"has {present[name]} bytes, not {size}"
-                    raise CheckpointCorruptError(f"data file {path} {what}", file=path)
+    def _join_deleter(self) -> None:
+        deleting, self._deleting = self._deleting, None
+        if deleting is not None:
+            deleting.result()
 
-    def _restore_step(self, step: int, target: Any, shard: int | None) -> Any:
-        manifest = self._manifest(step)
-        bodies = manifest["shards"]
-        if manifest.get("sharded"):
-            wanted = self.rank if shard is None else shard
-            chosen = [b for b in bodies if b["shard"] == wanted]
-            if not chosen:
-                raise CheckpointError(
-                    f"checkpoint step {step} in {self.directory} has shards "
-                    f"{sorted(b['shard'] for b in bodies)}, not {wanted}: restore(shard=...) one of them"
-                )
-            body = chosen[0]
-        else:
-            body = bodies[0]
-        from vertexrt.checkpoint import adapters
-
-        nodes = serialization.leaf_nodes(body["tree"])
-        for node in nodes:
-            if node["t"] == "pickle" and not self.allow_pickle:
-                raise CheckpointError(
-                    f"checkpoint step {step} holds a pickled {node.get('type')}; pass allow_pickle=True to "
-                    "the CheckpointManager if you trust this checkpoint"
-                )
-        buffers = datafiles.read(
-            self._strategy.store,
-            self._strategy.step_dir(step),
-            body["prefix"],
-            body["files"],
-            nodes,
-            threads=self._strategy.io_threads,
-            use_mmap=self._strategy.mmap_reads,
-        )
-        by_node = {id(node): buffer for node, buffer in zip(nodes, buffers, strict=True)}
-        values = lambda node: adapters.value(node["t"], node, by_node[id(node)])
-        if target is None:
-            return serialization.decode(body["tree"], values)
-        return serialization.decode(body["tree"], values, target)
+    def _manifest(self, step: int) -> dict[str, Any]:
+        return restoring.read_manifest(self._strategy, step)
 
     def _raise_finished_error(self) -> None:
-        if self._thread is not None and not self._thread.is_alive():
+        if self._pending is not None and self._pending.done():
             self.wait()
-
-    def _raise_error(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
 
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"the CheckpointManager for {self.directory} is closed")
-
-
-def _step_only(policy: Any) -> bool:
-    if isinstance(policy, AnySave):
-        return all(_step_only(p) for p in policy.policies)
-    return isinstance(policy, EveryNSteps)
 
 
 def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
@@ -566,28 +473,6 @@ def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
         except (TypeError, ValueError):
             raise CheckpointError(f"metrics[{key!r}] = {value!r} is not a number") from None
     return out
-
-
-def _frameworks() -> dict[str, str]:
-    found = {}
-    for name in ("torch", "tensorflow", "keras", "numpy"):
-        module = sys.modules.get(name)
-        version = getattr(module, "__version__", None)
-        if isinstance(version, str):
-            found[name] = version
-    return found
-
-
-def _version() -> str:
-    from vertexrt import __version__
-
-    return __version__
-
-
-def _dumps(value: Any) -> bytes:
-    import orjson
-
-    return bytes(orjson.dumps(value))
 
 
 def _quietly(fn: Any, *args: Any) -> None:

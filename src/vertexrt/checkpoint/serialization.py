@@ -22,6 +22,7 @@ from vertexrt.errors import CheckpointError
 
 ROOT = "state"
 LEAF_KINDS = frozenset({"torch", "numpy", "tf", "bytes", "pickle"})
+CONTAINER_KINDS = frozenset({"dict", "list", "tuple", "keras"})
 _INT64 = (-(2**63), 2**63)
 _KEY_TYPES = (str, int, float, bool, type(None))
 _MISSING = object()
@@ -49,7 +50,7 @@ def leaf_nodes(tree: Any) -> list[dict[str, Any]]:
         kind = node.get("t")
         if kind in LEAF_KINDS:
             found.append(node)
-        elif kind in ("dict", "list", "tuple", "keras"):
+        elif kind in CONTAINER_KINDS:
             stack.extend(reversed(node["v"]))
         elif kind == "state":
             stack.append(node["v"])

@@ -10,15 +10,24 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from vertexrt._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from vertexrt.data.bigquery import BigQuery
     from vertexrt.data.csv import CSV
-    from vertexrt.data.dataset import Dataset, open_dataset, test_dataset, validation_dataset
+    from vertexrt.data.dataset import (
+        Dataset,
+        merge_states,
+        open_dataset,
+        test_dataset,
+        validation_dataset,
+    )
     from vertexrt.data.example import decode_example, encode_example
+    from vertexrt.data.files import Files
     from vertexrt.data.jsonl import JSONL
+    from vertexrt.data.managed import VertexImage, VertexText, VertexVideo
     from vertexrt.data.parquet import Parquet
     from vertexrt.data.prefetch import Prefetcher
     from vertexrt.data.tfrecord import TFRecord, TFRecordWriter
@@ -26,6 +35,10 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "open_dataset": "vertexrt.data.dataset",
+    "merge_states": "vertexrt.data.dataset",
+    "VertexImage": "vertexrt.data.managed",
+    "VertexText": "vertexrt.data.managed",
+    "VertexVideo": "vertexrt.data.managed",
     "validation_dataset": "vertexrt.data.dataset",
     "test_dataset": "vertexrt.data.dataset",
     "Dataset": "vertexrt.data.dataset",
@@ -34,6 +47,7 @@ _EXPORTS = {
     "TFRecord": "vertexrt.data.tfrecord",
     "TFRecordWriter": "vertexrt.data.tfrecord",
     "Parquet": "vertexrt.data.parquet",
+    "Files": "vertexrt.data.files",
     "BigQuery": "vertexrt.data.bigquery",
     "decode_example": "vertexrt.data.example",
     "encode_example": "vertexrt.data.example",
@@ -47,26 +61,21 @@ __all__ = [
     "BigQuery",
     "DataLoader",
     "Dataset",
+    "Files",
     "Parquet",
     "Prefetcher",
     "TFRecord",
     "TFRecordWriter",
+    "VertexImage",
+    "VertexText",
+    "VertexVideo",
     "decode_example",
     "encode_example",
+    "merge_states",
     "open_dataset",
     "test_dataset",
     "validation_dataset",
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vertexrt.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, listed=__all__)

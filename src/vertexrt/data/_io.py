@@ -16,6 +16,10 @@ READ_SIZE = 8 << 20
 
 GCS_BLOCK_SIZE = 16 << 20
 
+MAX_RECORD_BYTES = 256 << 20
+"""Default bound on one record (a line, a CSV record, a TFRecord payload): larger is refused before it is
+buffered, so a corrupt length field or a file without newlines cannot take all memory."""
+
 COMPRESSIONS = ("", "GZIP", "ZLIB")
 
 
@@ -34,10 +38,27 @@ def compression_for(uri: str, explicit: str | None) -> str:
     return ""
 
 
-class _Inflate:
+class _Wrapped:
+    """A read-only stream over another (``_raw``), closed with it."""
+
+    _raw: IO[bytes]
+
+    @property
+    def closed(self) -> bool:
+        return bool(self._raw.closed)
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+class _Inflate(_Wrapped):
     """A read-only stream that inflates a zlib/gzip stream (``wbits`` 15 for ZLIB, 31 for GZIP).
 
-    Handles concatenated gzip members, as ``gzip`` files written by several writers contain.
+    Handles concatenated gzip members, as ``gzip`` files written by several writers contain. A damaged
+    stream first hands out everything that decompressed before the damage; the next read raises.
     """
 
     def __init__(self, raw: IO[bytes], wbits: int, uri: str):
@@ -49,12 +70,15 @@ class _Inflate:
         self._consumed = 0  # compressed bytes read so far (for error messages)
         self._fed = False
         self._eof = False
+        self._error: DataError | None = None
 
     def read(self, size: int) -> bytes:
+        if self._error is not None and not self._pending:
+            raise self._error
         out = [self._pending] if self._pending else []
         have = len(self._pending)
         self._pending = b""
-        while have < size and not self._eof:
+        while have < size and not self._eof and self._error is None:
             if self._inflater.eof:
                 data = self._inflater.unused_data or self._read_raw()
                 self._inflater = zlib.decompressobj(self._wbits)
@@ -63,47 +87,74 @@ class _Inflate:
                 data = self._inflater.unconsumed_tail or self._read_raw()
             if not data:
                 if self._fed and not self._inflater.eof:
-                    raise DataError(
+                    self._fail(
                         f"{self._uri}: compressed stream ends early (truncated after {self._consumed} "
                         "compressed bytes); re-copy the file"
                     )
+                    break
                 self._eof = True
                 break
             try:
                 piece = self._inflater.decompress(data, max(size - have, 1 << 16))
             except zlib.error as err:
-                raise DataError(
+                self._fail(
                     f"{self._uri}: corrupt compressed data near compressed byte {self._consumed}: {err}"
-                ) from None
+                )
+                break
             self._fed = True
             if piece:
                 out.append(piece)
                 have += len(piece)
         joined = b"".join(out)
+        if not joined and self._error is not None:
+            raise self._error
         if len(joined) > size:
             self._pending = joined[size:]
             joined = joined[:size]
         return joined
+
+    def _fail(self, message: str) -> None:
+        self._error = DataError(message)
 
     def _read_raw(self) -> bytes:
         data = self._raw.read(READ_SIZE)
         self._consumed += len(data)
         return data
 
-    def close(self) -> None:
-        self._raw.close()
+
+TAIL_READ = 64 << 10
+"""Bytes asked for per read past the end of a byte range: only the record that crosses the end is wanted."""
 
 
-def open_at(uri: str, compression: str, start: int) -> Any:
-    """Open ``uri`` for reading, positioned at decompressed offset ``start``.
+class _Bounded(_Wrapped):
+    """A file whose reads stop at byte ``end``; past it, reads are :data:`TAIL_READ` bytes, so finishing
+    the record that crosses ``end`` costs about that record, not a whole large read."""
+
+    def __init__(self, raw: IO[bytes], start: int, end: int):
+        self._raw = raw
+        self._pos = start
+        self._end = end
+
+    def read(self, size: int) -> bytes:
+        left = self._end - self._pos
+        data = self._raw.read(min(size, left) if left > 0 else min(size, TAIL_READ))
+        self._pos += len(data)
+        return data
+
+
+def open_at(uri: str, compression: str, start: int, end: int | None = None) -> Any:
+    """Open ``uri`` for reading, positioned at decompressed offset ``start``; with ``end`` (an
+    uncompressed file only), reads are sized to stop at byte ``end`` and go on in small reads past it.
 
     Example:
         >>> f = open_at("gs://b/part-0.jsonl.gz", "GZIP", 0)
+        >>> piece = open_at("gs://b/big.csv", "", 1 << 30, end=2 << 30)
     """
     from vertexrt import paths
 
+    block = GCS_BLOCK_SIZE if end is None else max(TAIL_READ, min(GCS_BLOCK_SIZE, end - start))
     try:
-        raw = paths.open(uri, "rb", block_size=GCS_BLOCK_SIZE)
+        raw = paths.open(uri, "rb", block_size=block)
     except FileNotFoundError:
         raise DataError(f"{uri}: file not found (was it deleted or renamed after the dataset was opened?)")
     except PermissionError as err:
@@ -111,7 +162,10 @@ def open_at(uri: str, compression: str, start: int) -> Any:
     if not compression:
         if start:
             raw.seek(start)
-        return raw
+        return raw if end is None else _Bounded(raw, start, end)
+    if end is not None:
+        raw.close()
+        raise DataError(f"{uri}: a {compression} file cannot be read by byte range; read it whole")
     stream = _Inflate(raw, 31 if compression == "GZIP" else 15, uri)
     left = start
     while left:

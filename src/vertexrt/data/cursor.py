@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from vertexrt.data.columns import concat, take
 from vertexrt.data.formats import Errors, Format
 from vertexrt.data.sharding import Unit
 from vertexrt.errors import DataError
@@ -92,6 +93,7 @@ class StreamSpec:
     epoch: int
     reader: int
     readers: int
+    columnar: bool = False
 
 
 Kept = tuple[int, int, int, int, list[Any], Any]
@@ -110,12 +112,13 @@ def _kept(
         resumed = ui == start.unit and start.pos is not None
         ranged = unit.records  # records [unit.start, unit.end) of a file; g counts the file's records
         if ranged:
-            pos, skip, g = (start.pos, start.skip, start.g) if resumed else (0, unit.start, 0)
+            pos, skip, g = (start.pos, start.skip, start.g) if resumed else (unit.at, unit.start, 0)
         else:
             pos, skip = (start.pos if resumed else unit.start), (start.skip if ui == start.unit else 0)
         assert pos is not None
         group_pos, group_g, base = -1, g, 0
-        for cpos, raws in fmt.read(source, pos, None if ranged else unit.end, errors):
+        read = fmt.read_columns if spec.columnar else fmt.read
+        for cpos, raws in read(source, pos, unit.until if ranged else unit.end, errors):
             if cpos != group_pos:
                 group_pos, group_g, base = cpos, g, 0
             n = len(raws)
@@ -179,36 +182,43 @@ def _shuffled(spec: StreamSpec, kept: Iterator[Kept], cursor: Cursor) -> Iterato
     block = cursor.block
     drop = cursor.drop
     emitted = cursor.emitted
-    buf: list[Any] = []
+    buf: list[Any] = []  # pieces (lists of raws, or Columns) holding ``have`` records
+    have = 0
     origins: list[tuple[Any, int]] = []
     head = (0, 0, 0, 0)
 
     def emit() -> Chunk:
         nonlocal block, drop, emitted
         order = np.random.default_rng([spec.seed, spec.epoch, spec.reader, spec.readers, block]).permutation(
-            len(buf)
+            have
         )
-        records = list(map(buf.__getitem__, order.tolist()))
+        records = take(concat(buf), order)
         start = Cursor(OWN, head[0], head[1], head[2], head[3], block, drop, emitted)
         chunk = Chunk(records[drop:] if drop else records, start, stride, True, origins)
-        emitted += len(buf)
+        emitted += have
         block += 1
         drop = 0
         return chunk
 
-    for ui, cpos, k, g, raws, source in kept:
-        i = 0
-        while i < len(raws):
-            if not buf:
-                head = (ui, cpos, k + i * stride, g)
-            take = raws[i : i + size - len(buf)]
-            buf.extend(take)
-            origins.append((source, cpos))
-            i += len(take)
-            if len(buf) == size:
-                yield emit()
-                buf, origins = [], []
-    if buf:
+    try:
+        for ui, cpos, k, g, raws, source in kept:
+            i = 0
+            while i < len(raws):
+                if not have:
+                    head = (ui, cpos, k + i * stride, g)
+                piece = raws[i : i + size - have]
+                buf.append(piece)
+                have += len(piece)
+                origins.append((source, cpos))
+                i += len(piece)
+                if have == size:
+                    yield emit()
+                    buf, origins, have = [], [], 0
+    except DataError:  # damaged data: hand out the records read before it, then raise
+        if have:
+            yield emit()
+        raise
+    if have:
         yield emit()
 
 

@@ -135,13 +135,18 @@ def _len_field(number: int, body: bytes) -> bytes:
 def encode_example(features: Mapping[str, Sequence[Value] | Value]) -> bytes:
     """Serialize ``{name: values}`` as a ``tf.train.Example`` (the list kind follows the values' type).
 
+    An empty list is written as a feature without a list kind, which ``tf.io.parse_example`` reads as an
+    empty list under any declared dtype (int64, float32 or string).
+
     Raises:
         DataError: a feature mixes value types or has an unsupported type.
     """
     entries = []
     for name, values in features.items():
         items: list[Any] = list(values) if isinstance(values, list | tuple) else [values]
-        if all(isinstance(v, bytes | str) for v in items):
+        if not items:  # a Feature with no list kind: TensorFlow parses it as empty under any dtype
+            feature = b""
+        elif all(isinstance(v, bytes | str) for v in items):
             blobs = [v.encode("utf-8") if isinstance(v, str) else v for v in items]
             feature = _len_field(1, b"".join(_len_field(1, b) for b in blobs))
         elif all(isinstance(v, bool | int) for v in items):

@@ -50,6 +50,12 @@ class Format:
     """Base class of record formats. Subclasses are small, picklable option holders."""
 
     name: ClassVar[str] = ""
+    one_record_per_source: ClassVar[bool] = False
+    """Each source is one record: the epoch's shuffled source order is a full shuffle (no record buffer)."""
+
+    def for_sources(self, sources: Any) -> Format:
+        """This format completed from the dataset's sources (e.g. the class names of :class:`Files`)."""
+        return self
 
     def read(
         self, source: Any, start: int, end: int | None, errors: Errors
@@ -60,6 +66,16 @@ class Format:
         chunk continues the previous one (a format may hand out one read in several batches).
         """
         raise NotImplementedError
+
+    def read_columns(
+        self, source: Any, start: int, end: int | None, errors: Errors
+    ) -> Iterator[tuple[int, Any]]:
+        """Like :meth:`read`, with each chunk's records as one :class:`~vertexrt.data.columns.Columns`
+        (``columnar=True``); positions follow this method's own scheme, consistent with itself."""
+        raise DataError(
+            f"the {type(self).__name__} format has no columnar reader: use Parquet, CSV or JSONL files, or "
+            "open the dataset with columnar=False"
+        )
 
     def decoder(self) -> Callable[[Any], Any] | None:
         """The function that turns one raw record into a record as it is handed out (None: as is).
@@ -82,6 +98,15 @@ class Format:
         """Number of records in ``source`` (reads it unless the format has metadata)."""
         return sum(len(raws) for _, raws in self.read(source, 0, None, errors))
 
+    def split(self, source: Any, parts: int, columnar: bool) -> list[tuple[int, int]] | None:
+        """``source`` cut into about ``parts`` pieces ``(start, end)`` that :meth:`read` takes (a byte range
+        holds the records that begin in it), or None: it is read whole (compressed, or no split reader)."""
+        return None
+
+    def count_piece(self, source: Any, start: int, end: int, errors: Errors) -> int:
+        """Number of records in the piece ``[start, end)`` of ``source`` (from :meth:`split`)."""
+        return sum(len(raws) for _, raws in self.read(source, start, end, errors))
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={_show(v)}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
@@ -91,6 +116,23 @@ class Format:
 
     def __hash__(self) -> int:
         return hash((type(self).__name__, repr(self)))
+
+
+MIN_PIECE_BYTES = 1 << 20
+"""Smallest byte range a file is cut into for several readers (a smaller one costs more in requests)."""
+
+
+def byte_pieces(size: int, parts: int) -> list[tuple[int, int]] | None:
+    """``[0, size)`` cut into ``parts`` equal byte ranges of at least :data:`MIN_PIECE_BYTES`; None for one.
+
+    Example:
+        >>> byte_pieces(4 << 20, 2)
+        [(0, 2097152), (2097152, 4194304)]
+    """
+    parts = min(parts, size // MIN_PIECE_BYTES)
+    if parts <= 1:
+        return None
+    return [(size * j // parts, size * (j + 1) // parts) for j in range(parts)]
 
 
 def _show(value: Any) -> str:
@@ -103,7 +145,9 @@ def _show(value: Any) -> str:
 
 
 def format_named(name: str) -> Format:
-    """The format for a name or extension: jsonl, csv, tsv, tfrecord, parquet or bigquery."""
+    """The format for a name or extension: jsonl, csv, tsv, tfrecord, parquet, bigquery, files (also an
+    image / audio / video extension such as jpg, png, wav, mp4), or a Vertex managed-dataset export:
+    vertex-image, vertex-text, vertex-video."""
     key = name.lower().lstrip(".")
     if key in ("jsonl", "json", "ndjson", "jsonlines"):
         from vertexrt.data.jsonl import JSONL
@@ -121,14 +165,29 @@ def format_named(name: str) -> Format:
         from vertexrt.data.parquet import Parquet
 
         return Parquet()
+    if key == "files" or key in _binary_extensions():
+        from vertexrt.data.files import Files
+
+        return Files()
     if key in ("bigquery", "bq"):
         from vertexrt.data.bigquery import BigQuery
 
         return BigQuery()
+    from vertexrt.data.managed import FORMATS as MANAGED
+
+    if key in MANAGED:
+        return MANAGED[key]()
     raise DataError(
-        f"unknown data format {name!r}: use jsonl, csv, tsv, tfrecord, parquet or bigquery "
+        f"unknown data format {name!r}: use jsonl, csv, tsv, tfrecord, parquet, bigquery, files, "
+        "vertex-image, vertex-text or vertex-video "
         "(or pass a format object such as vertexrt.data.CSV(...))"
     )
+
+
+def _binary_extensions() -> frozenset[str]:
+    from vertexrt.data.files import EXTENSIONS
+
+    return EXTENSIONS
 
 
 def format_for_uri(uri: str) -> Format | None:

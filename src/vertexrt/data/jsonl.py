@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from vertexrt.data._io import compression_for
+from vertexrt.data._io import MAX_RECORD_BYTES, compression_for
 from vertexrt.data._lines import line_lists, locate
-from vertexrt.data.formats import Errors, FileSource, Format
+from vertexrt.data.formats import Errors, FileSource, Format, byte_pieces
 
 
 class JSONL(Format):
@@ -19,20 +19,47 @@ class JSONL(Format):
 
     Args:
         compression: ``"GZIP"``, ``"ZLIB"`` or ``""``; default from the extension (``.gz``).
+        max_record_bytes: a longer line is a bad record (refused before it is buffered; default 256 MiB).
     """
 
     name = "jsonl"
 
-    def __init__(self, compression: str | None = None):
+    def __init__(self, compression: str | None = None, max_record_bytes: int = MAX_RECORD_BYTES):
         self.compression = compression
+        self.max_record_bytes = int(max_record_bytes)
 
     def read(
         self, source: FileSource, start: int, end: int | None, errors: Errors
     ) -> Iterator[tuple[int, list[bytes]]]:
-        for pos, lines in line_lists(source.uri, compression_for(source.uri, self.compression), start):
+        compression = compression_for(source.uri, self.compression)
+        lists = line_lists(source.uri, compression, start, errors, limit=self.max_record_bytes, end=end)
+        for pos, lines in lists:
             raws = list(filter(None, lines))  # whitespace-only lines are dropped when they fail to decode
             if raws:
                 yield pos, raws
+
+    def split(self, source: FileSource, parts: int, columnar: bool) -> list[tuple[int, int]] | None:
+        """Byte ranges of an uncompressed file (row path only: columnar positions count rows)."""
+        if columnar or compression_for(source.uri, self.compression):
+            return None
+        return byte_pieces(source.size, parts)
+
+    def read_columns(
+        self, source: FileSource, start: int, end: int | None, errors: Errors
+    ) -> Iterator[tuple[int, Any]]:
+        """Column batches by pyarrow's JSON reader (each line an object; Arrow infers the types from the
+        first block). Positions count rows from the file start."""
+        import pyarrow.json as pajson
+
+        from vertexrt.data.columns import ARROW_BLOCK, arrow_text_batches
+
+        def open_reader(f: Any) -> Any:
+            return pajson.open_json(f, read_options=pajson.ReadOptions(block_size=ARROW_BLOCK))
+
+        if source.size:
+            yield from arrow_text_batches(
+                source.uri, compression_for(source.uri, self.compression), open_reader, errors
+            )
 
     def ignorable(self, raw: bytes) -> bool:
         return not raw.strip()

@@ -1,17 +1,25 @@
 """Parquet files streamed by row group and record batch (pyarrow); positions are row indices.
 
+A file of several row groups is cut into pieces of whole row groups for several readers
+(:meth:`Parquet.split`); a reader reads only its row groups' column chunks.
+
 Example:
     >>> ds = vertexrt.data.open_dataset("gs://b/table/*.parquet", format=Parquet(columns=["x", "y"]))
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vertexrt.data._io import GCS_BLOCK_SIZE
 from vertexrt.data.formats import Errors, FileSource, Format
 from vertexrt.errors import DataError
+
+ROW_SLICE = 1024
+"""Rows the row path turns into dicts at a time (a whole record batch's dicts alive at once cost more)."""
 
 
 class Parquet(Format):
@@ -35,7 +43,7 @@ class Parquet(Format):
         from vertexrt import paths
 
         fs, path = paths.filesystem(source.uri)
-        local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+        local = paths.is_local_filesystem(fs)
         # Local files: let Arrow's own reader open the path (much faster than a Python file object).
         f = open(path, "rb") if local else paths.open(source.uri, "rb", block_size=GCS_BLOCK_SIZE)  # noqa: SIM115
         try:
@@ -47,36 +55,125 @@ class Parquet(Format):
     def read(
         self, source: FileSource, start: int, end: int | None, errors: Errors
     ) -> Iterator[tuple[int, list[dict[str, Any]]]]:
-        f, pf = self._open(source)
+        """Rows from row ``start``, in lists of at most ``ROW_SLICE`` at their first row's index (fewer row
+        dicts alive at once): an unreadable row group is a bad record (raise, or skip the group and count
+        it) after every row before it was handed out."""
+        for pos, batch in self._batches(source, start, end, errors):
+            for at in range(0, batch.num_rows, ROW_SLICE):
+                yield pos + at, batch.slice(at, ROW_SLICE).to_pylist()
+
+    def read_columns(
+        self, source: FileSource, start: int, end: int | None, errors: Errors
+    ) -> Iterator[tuple[int, Any]]:
+        """:meth:`read` as column batches (row positions, the same as :meth:`read`)."""
+        from vertexrt.data.columns import Columns
+
+        for pos, batch in self._batches(source, start, end, errors):
+            yield pos, Columns(batch, source.uri)
+
+    def split(self, source: FileSource, parts: int, columnar: bool) -> list[tuple[int, int]] | None:
+        """Row ranges of whole row groups, about ``parts`` of them with about equal rows; None for a file of
+        one row group (or an unreadable one: reading it reports why)."""
+        try:
+            groups = _row_groups(source)
+        except DataError:
+            return None
+        parts = min(parts, len(groups))
+        if parts <= 1:
+            return None
+        total, cuts, first = sum(groups), [0], 0
+        for rows in groups[:-1]:
+            first += rows
+            if first * parts >= total * len(cuts) and len(cuts) < parts:
+                cuts.append(first)
+        cuts.append(total)
+        return [(a, b) for a, b in itertools.pairwise(cuts) if a < b]
+
+    def count_piece(self, source: FileSource, start: int, end: int, errors: Errors) -> int:
+        return end - start  # whole row groups: from the footer
+
+    def _batches(
+        self, source: FileSource, start: int, end: int | None, errors: Errors
+    ) -> Iterator[tuple[int, Any]]:
+        opened = self._opened(source, errors)
+        if opened is None:
+            return
+        f, pf = opened
         try:
             meta = pf.metadata
             first_row = 0
-            groups: list[int] = []
             for index in range(meta.num_row_groups):
+                if end is not None and first_row >= end:
+                    return
                 rows = meta.row_group(index).num_rows
-                if groups or first_row + rows > start:
-                    groups.append(index)
-                else:
-                    first_row += rows
-            if not groups:
-                return
-            pos = first_row
-            for batch in pf.iter_batches(batch_size=self.batch_rows, row_groups=groups, columns=self.columns):
-                rows = batch.to_pylist()
-                if pos < start:
-                    rows = rows[start - pos :]
-                    here = start
-                else:
-                    here = pos
-                pos += batch.num_rows
-                if rows:
-                    yield here, rows
+                if first_row + rows > start:
+                    yield from self._group(source, pf, index, first_row, rows, start, end, errors)
+                first_row += rows
         finally:
             f.close()
 
+    def _group(
+        self,
+        source: FileSource,
+        pf: Any,
+        index: int,
+        first_row: int,
+        rows: int,
+        start: int,
+        end: int | None,
+        errors: Errors,
+    ) -> Iterator[tuple[int, Any]]:
+        import pyarrow as pa
+
+        pos = first_row
+        try:
+            for batch in pf.iter_batches(
+                batch_size=self.batch_rows, row_groups=[index], columns=self.columns
+            ):
+                at = pos
+                pos += batch.num_rows
+                if end is not None and pos > end:  # a piece ends inside this batch
+                    batch = batch.slice(0, max(0, end - at))
+                if at + batch.num_rows > start:
+                    yield max(at, start), (batch if at >= start else batch.slice(start - at))
+                if end is not None and pos >= end:
+                    return
+        except (OSError, pa.ArrowException) as err:
+            errors.bad(
+                f"{source.uri}: row group {index} (rows {first_row}-{first_row + rows - 1}) is unreadable "
+                f"from row {pos}: {err}; re-copy or rewrite the file"
+            )
+
+    def _opened(self, source: FileSource, errors: Errors) -> tuple[Any, Any] | None:
+        """The open file, or None for a zero-byte file (no rows) or, with ``on_error="skip"``, a file that
+        is not Parquet (counted)."""
+        if source.size == 0:
+            return None
+        try:
+            return self._open(source)
+        except DataError as err:
+            errors.bad(str(err))
+            return None
+
     def count(self, source: FileSource, errors: Errors) -> int:
-        f, pf = self._open(source)
+        opened = self._opened(source, Errors(errors.on_error))  # counted once, when it is read
+        if opened is None:
+            return 0
+        f, pf = opened
         try:
             return int(pf.metadata.num_rows)
         finally:
             f.close()
+
+
+@functools.lru_cache(maxsize=256)  # read once per file, not once per reader and epoch
+def _row_groups(source: FileSource) -> tuple[int, ...]:
+    """Rows per row group of ``source``, from its footer."""
+    if source.size == 0:
+        return ()
+    f, pf = Parquet()._open(source)
+    try:
+        meta = pf.metadata
+        return tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
+    finally:
+        f.close()

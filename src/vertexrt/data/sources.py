@@ -82,7 +82,7 @@ def _expand_one(part: str) -> list[FileSource]:
     from vertexrt import paths
 
     fs, path = paths.filesystem(part)
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    local = paths.is_local_filesystem(fs)
 
     def uri_of(p: str) -> str:
         return p if local else fs.unstrip_protocol(p)

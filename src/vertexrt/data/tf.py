@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
@@ -22,6 +23,9 @@ def spec_of(value: Any, where: str = "record") -> Any:
     """The ``tf.TensorSpec`` (or dict of them) that fits a record like ``value``."""
     if isinstance(value, dict):
         return {str(k): spec_of(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.ndim:  # a column batch
+        dtype = tf.string if value.dtype.kind in "OSU" else tf.as_dtype(value.dtype)
+        return tf.TensorSpec((None, *value.shape[1:]), dtype)
     if isinstance(value, bytes | str):
         return tf.TensorSpec((), tf.string)
     if isinstance(value, bool):
@@ -41,11 +45,61 @@ def spec_of(value: Any, where: str = "record") -> Any:
 
 
 def to_tf(dataset: Dataset, output_signature: Any = None) -> tf.data.Dataset:
-    """Wrap ``dataset`` in ``tf.data.Dataset.from_generator``; infer the signature from the first record."""
+    """Wrap ``dataset`` in ``tf.data.Dataset.from_generator``; infer the signature from the first record.
+
+    vertexrt has already given this replica its share, so the result carries
+    ``AutoShardPolicy.OFF``: under ``tf.distribute`` (``MultiWorkerMirroredStrategy``, Keras ``fit``) the
+    default AUTO policy would otherwise shard the generator's records again and drop half of them with
+    two workers. When every epoch has a known length (``equalize`` in force, and no epoch half read) the
+    dataset also has that cardinality, so Keras knows the steps per epoch, and every pass over it reads
+    one whole epoch from its start: a pass cut short (``take``, Keras stopping at the cardinality while
+    tf.data read ahead) leaves the rest of its epoch unread and the next pass reads the next epoch.
+
+    Example:
+        >>> ds = open_dataset("gs://b/train-*.jsonl").as_tf()
+        >>> model.fit(ds.batch(64), epochs=3)
+    """
     if output_signature is None:
         probe = _first_record(dataset)
         output_signature = spec_of(probe)
-    return tf.data.Dataset.from_generator(lambda: iter(dataset), output_signature=output_signature)
+    length = None if dataset._cursors else dataset.epoch_length()
+    passes = _Passes(dataset) if length is not None else (lambda: _records(dataset))
+    out = tf.data.Dataset.from_generator(passes, output_signature=output_signature)
+    if length is not None:
+        out = out.apply(tf.data.experimental.assert_cardinality(length))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    return out.with_options(options)
+
+
+class _Passes:
+    """The generator function of an ``as_tf()`` dataset with a cardinality: each pass starts an epoch."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+        self.began: int | None = None  # the epoch the previous pass started
+
+    def __call__(self) -> Iterator[Any]:
+        dataset = self.dataset
+        if self.began is not None and dataset.epoch == self.began:  # the previous pass was cut short
+            dataset.set_epoch(self.began + 1)
+        elif dataset._cursors:
+            raise DataError(
+                f"{dataset!r} is mid-epoch (a state loaded, or records read) after as_tf() asserted the "
+                "epoch's cardinality: call load_state_dict() before as_tf() so that the resumed first pass "
+                "carries no cardinality, or set_epoch() to start an epoch"
+            )
+        self.began = dataset.epoch
+        return _records(dataset)
+
+
+def _records(dataset: Dataset) -> Iterator[Any]:
+    """Iterate ``dataset``; ``columnar="arrow"`` batches as numpy dicts (tf.data takes those)."""
+    if dataset.arrow:
+        from vertexrt.data.columns import numpy_batch
+
+        return map(numpy_batch, iter(dataset))
+    return iter(dataset)
 
 
 def _first_record(dataset: Dataset) -> Any:
@@ -55,6 +109,6 @@ def _first_record(dataset: Dataset) -> Any:
     probe.__dict__ = dataset.__getstate__()
     probe._cursors = {}
     probe.prefetch = 0
-    for record in probe:
+    for record in _records(probe):
         return record
     raise DataError(f"{dataset!r} has no records to infer a signature from: pass output_signature=...")

@@ -1,6 +1,6 @@
-"""torch adapters: an ``IterableDataset`` that shards across DataLoader workers (``set_epoch`` reaches
-persistent workers through shared memory), and a ``DataLoader`` whose ``state_dict()`` is exact with any
-``num_workers``.
+"""torch adapters: an ``IterableDataset`` that shards across DataLoader workers (``set_epoch``, and the
+``bq://`` read session it renewed, reach persistent workers through shared memory), and a ``DataLoader``
+whose ``state_dict()`` is exact with any ``num_workers``.
 
 Each DataLoader worker is its own reader (``rank * num_workers + worker``). The :class:`DataLoader` here
 has every worker attach its O(1) cursor to each batch it collates; the loader keeps the cursor of the
@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -33,22 +34,53 @@ from vertexrt.errors import ConfigError
 if TYPE_CHECKING:
     from vertexrt.data.dataset import Dataset
 
+logger = logging.getLogger(__name__)
+
 
 class TorchIterable(IterableDataset):  # type: ignore[type-arg]
-    """A vertexrt :class:`~vertexrt.data.dataset.Dataset` as a torch IterableDataset."""
+    """A vertexrt :class:`~vertexrt.data.dataset.Dataset` as a torch IterableDataset.
 
-    def __init__(self, dataset: Dataset):
+    Args:
+        num_workers: the DataLoader workers that will read it (0: none); the record counts for
+            ``equalize`` are made here, once, for the pieces those workers read (see :meth:`prepare`).
+    """
+
+    def __init__(self, dataset: Dataset, num_workers: int = 0):
         super().__init__()
         dataset.topology()  # resolve rank / world size here, in the parent, where torch.distributed is set up
-        dataset.prepare()
         self.dataset = dataset
-        # [requested epoch, generation]: written by set_epoch in the parent, read by (persistent) workers.
-        self._shared = torch.tensor([dataset.epoch, 0], dtype=torch.int64).share_memory_()
+        self.prepare(num_workers)
+        # [requested epoch, generation, plan generation]: written by set_epoch in the parent, read by
+        # (persistent) workers.
+        self._shared = torch.tensor([dataset.epoch, 0, 0], dtype=torch.int64).share_memory_()
         self._seen = 0
+        self._plans = _PlanBox(dataset)
+        self._plan_seen = 0
+
+    def prepare(self, num_workers: int) -> None:
+        """Do the shared work (``equalize`` record counts) here, for ``num_workers`` DataLoader workers per
+        rank, before they start: each worker starts with a copy of the counts instead of counting again.
+        :class:`DataLoader` calls it; call it yourself before a plain torch DataLoader with workers.
+
+        Example:
+            >>> it = ds.as_torch(); it.prepare(num_workers=4)
+            >>> loader = torch.utils.data.DataLoader(it, batch_size=32, num_workers=4)
+        """
+        data = self.dataset
+        saved = data._worker
+        data._worker = (0, max(1, num_workers))  # the readers are this rank's workers (their pieces)
+        try:
+            data.prepare()
+        finally:
+            data._worker = saved
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch in this process and in every (persistent) DataLoader worker."""
-        self.dataset.set_epoch(epoch)
+        """Select the epoch in this process and in every (persistent) DataLoader worker; a ``bq://`` read
+        session renewed here (less than an hour left) is handed to the workers, which read it from then on."""
+        self.dataset.set_epoch(epoch)  # a bq:// session about to expire is renewed here
+        if self._plans.publish(self.dataset):
+            self._shared[2] += 1
+            self._plan_seen = int(self._shared[2])  # workers forked from here on have it already
         self._shared[0] = int(epoch)
         self._shared[1] += 1
 
@@ -57,10 +89,18 @@ class TorchIterable(IterableDataset):  # type: ignore[type-arg]
         dataset = self.dataset
         if info is not None:
             dataset._worker = (info.id, info.num_workers)
+        plans = int(self._shared[2])
+        if info is not None and plans != self._plan_seen:  # the parent renewed its read session
+            self._plan_seen = plans
+            self._plans.adopt(dataset)
         generation = int(self._shared[1])
         if generation != self._seen:
             self._seen = generation
             dataset.set_epoch(int(self._shared[0]))
+        if dataset.arrow:  # Arrow batches become numpy dicts; the loader makes them tensors
+            from vertexrt.data.columns import numpy_batch
+
+            return map(numpy_batch, iter(dataset))
         return iter(dataset)
 
     def state_dict(self) -> dict[str, Any]:
@@ -73,6 +113,71 @@ class TorchIterable(IterableDataset):  # type: ignore[type-arg]
 
     def __len__(self) -> int:
         raise TypeError("a streaming vertexrt dataset has no len(); use equalize=... for equal batch counts")
+
+
+class _PlanBox:
+    """A ``bq://`` dataset's Storage Read plan (session, stream names, stream row counts) in shared memory,
+    so that persistent DataLoader workers read the session the parent renewed instead of each making one
+    of its own when their forked copy expires."""
+
+    def __init__(self, dataset: Dataset):
+        self.session = self._session(dataset)
+        blob = self._blob(dataset)
+        # a new session of the same table and options has about as many streams, with names as long
+        self.buffer = torch.zeros(0 if blob is None else max(1 << 16, 4 * len(blob)), dtype=torch.uint8)
+        self.buffer.share_memory_()
+
+    @staticmethod
+    def _session(dataset: Dataset) -> str | None:
+        streams = dataset._streams[0] if dataset._streams else None
+        return streams[0].session if streams else None
+
+    @staticmethod
+    def _blob(dataset: Dataset) -> bytes | None:
+        import json
+
+        from vertexrt.data.bigquery_storage import session_record
+
+        streams = dataset._streams[0] if dataset._streams else None
+        if not streams:
+            return None
+        counts = [dataset._counts.get(i) for i in range(len(streams))]
+        known = None if None in counts else counts
+        return json.dumps(session_record(streams, known)).encode()  # type: ignore[arg-type]
+
+    def publish(self, dataset: Dataset) -> bool:
+        """Write the parent's plan when its session changed; True when written."""
+        session = self._session(dataset)
+        if session is None or session == self.session:
+            return False
+        self.session = session
+        blob = self._blob(dataset)
+        if blob is None or len(blob) + 8 > len(self.buffer):
+            logger.warning(
+                "bq://%s: the renewed read session %s does not fit the %d bytes shared with persistent "
+                "DataLoader workers; each worker makes its own session when its copy expires",
+                dataset.sources.table_id,  # type: ignore[union-attr]
+                session,
+                len(self.buffer),
+            )
+            return False
+        self.buffer[:8] = torch.tensor(list(len(blob).to_bytes(8, "little")), dtype=torch.uint8)
+        self.buffer[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        return True
+
+    def adopt(self, dataset: Dataset) -> None:
+        """In a worker: read the streams (and their row counts) of the plan last published."""
+        import json
+
+        from vertexrt.data.bigquery_storage import check_record
+
+        size = int.from_bytes(bytes(self.buffer[:8].tolist()), "little")
+        record = check_record(json.loads(bytes(self.buffer[8 : 8 + size].numpy()).decode()))
+        streams = dataset.format.reuse(dataset.sources, record) if record else None  # type: ignore[attr-defined]
+        if streams:
+            dataset._streams = (streams,)
+            dataset._counts = {key: n for key, n in dataset._counts.items() if not isinstance(key, int)}
+            dataset._counts.update(enumerate(record["counts"] or []))  # type: ignore[index]
 
 
 class _CursorCollate:
@@ -94,20 +199,29 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     """``torch.utils.data.DataLoader`` over a vertexrt dataset, with an exact ``state_dict()``.
 
     Takes a :class:`~vertexrt.data.dataset.Dataset` (or its ``as_torch()``) and the usual DataLoader
-    arguments (``batch_size``, ``num_workers``, ``persistent_workers``, ``collate_fn``, ...). Call
-    ``load_state_dict`` before the first iteration; resume with the same world size and ``num_workers``
-    (or from an epoch start, with any).
+    arguments (``batch_size``, ``num_workers``, ``persistent_workers``, ``collate_fn``, ...); over a
+    ``columnar`` dataset each batch is the reader's column batch as tensors (``batch_size=None``). Call
+    ``load_state_dict`` before the first iteration. A state resumes on another world size or ``num_workers``
+    when its layout is elastic (``shuffle_buffer=1`` with ``equalize`` in force) and it holds every rank's
+    readers (:func:`~vertexrt.data.dataset.merge_states`).
     """
 
     def __init__(self, dataset: Dataset | TorchIterable, collate_fn: Any = None, **kwargs: Any):
-        from torch.utils.data import default_collate
+        from torch.utils.data import default_collate, default_convert
 
-        iterable = dataset if isinstance(dataset, TorchIterable) else dataset.as_torch()
-        super().__init__(
-            iterable, collate_fn=_CursorCollate(collate_fn or default_collate, iterable), **kwargs
-        )
+        workers = kwargs.get("num_workers", 0)
+        if isinstance(dataset, TorchIterable):
+            iterable = dataset
+            iterable.prepare(workers)  # it may have been made for another number of workers
+        else:
+            iterable = TorchIterable(dataset, workers)
+        if iterable.dataset.columnar:  # the reader's batches are the loader's batches: no per-row collate
+            kwargs.setdefault("batch_size", None)
+        default = default_convert if kwargs.get("batch_size", 1) is None else default_collate
+        super().__init__(iterable, collate_fn=_CursorCollate(collate_fn or default, iterable), **kwargs)
         self._reader_cursors: dict[int, dict[str, Any]] = {}
         self._cursors_epoch = iterable.dataset.epoch
+        iterable.dataset._loader_workers = max(1, self.num_workers)
 
     @property
     def data(self) -> Dataset:
@@ -141,8 +255,16 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         cursors = dict(state["cursors"])
         cursors.update({str(reader): cursor for reader, cursor in self._reader_cursors.items()})
         topo = self.data.topology()
-        readers = topo.world_size * max(1, self.num_workers)
-        return {**state, "readers": readers if cursors else None, "cursors": dict(sorted(cursors.items()))}
+        workers = max(1, self.num_workers)
+        readers = topo.world_size * workers
+        covers = self.data._covers | set(range(topo.rank * workers, (topo.rank + 1) * workers))
+        return {
+            **state,
+            "readers": readers if cursors else None,
+            "world_size": topo.world_size if cursors else None,
+            "covers": sorted(covers),
+            "cursors": dict(sorted(cursors.items())),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state``; call it before iterating (workers copy the dataset when they start)."""
@@ -152,5 +274,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                 "after creating the loader, before the first iteration"
             )
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+        world = self.data.topology().world_size
+        self.data.adopt(world, world * max(1, self.num_workers))  # another world size: share out afresh
         self._reader_cursors = {}
         self._cursors_epoch = self.data.epoch

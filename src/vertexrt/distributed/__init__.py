@@ -11,8 +11,9 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from vertexrt._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "Cluster": "vertexrt.distributed.model",
@@ -20,7 +21,7 @@ _EXPORTS: dict[str, str] = {
     "cluster": "vertexrt.distributed.detection",
     "world_info": "vertexrt.distributed.detection",
     "WorldInfo": "vertexrt.distributed.detection",
-    "ClusterSpecWarning": "vertexrt.distributed.sources",
+    "ClusterSpecWarning": "vertexrt.errors",
     "tf_config": "vertexrt.distributed.tensorflow",
     "setup_tensorflow": "vertexrt.distributed.tensorflow",
     "init_torch": "vertexrt.distributed.torch",
@@ -28,26 +29,38 @@ _EXPORTS: dict[str, str] = {
     "spawn": "vertexrt.distributed.torch",
 }
 
-__all__ = sorted([*_EXPORTS, "launcher", "sources"])
+# Literal, so that type checkers see the exports.
+__all__ = [
+    "Cluster",
+    "ClusterSpecWarning",
+    "Pool",
+    "TorchHandle",
+    "WorldInfo",
+    "cluster",
+    "init_torch",
+    "launcher",
+    "setup_tensorflow",
+    "sources",
+    "spawn",
+    "tf_config",
+    "world_info",
+]
 
 if TYPE_CHECKING:
-    from vertexrt.distributed.detection import WorldInfo, cluster, world_info  # noqa: F401
-    from vertexrt.distributed.model import Cluster, Pool  # noqa: F401
-    from vertexrt.distributed.sources import ClusterSpecWarning  # noqa: F401
-    from vertexrt.distributed.tensorflow import setup_tensorflow, tf_config  # noqa: F401
-    from vertexrt.distributed.torch import TorchHandle, init_torch, spawn  # noqa: F401
+    from vertexrt.distributed import launcher, sources
+    from vertexrt.distributed.detection import (
+        WorldInfo,
+        cluster,
+        world_info,
+    )
+    from vertexrt.distributed.model import Cluster, Pool
+    from vertexrt.distributed.tensorflow import setup_tensorflow, tf_config
+    from vertexrt.distributed.torch import (
+        TorchHandle,
+        init_torch,
+        spawn,
+    )
+    from vertexrt.errors import ClusterSpecWarning
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in ("launcher", "sources"):
-        value = importlib.import_module(f"vertexrt.distributed.{name}")
-    else:
-        raise AttributeError(f"module 'vertexrt.distributed' has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, ("launcher", "sources"), __all__)

@@ -3,25 +3,33 @@
 Each replica gets the environment Vertex would give it: ``CLUSTER_SPEC`` (always), and on multi-replica jobs
 ``TF_CONFIG``, ``MASTER_ADDR``/``MASTER_PORT`` and node-level ``WORLD_SIZE``/``RANK``; ``AIP_MODEL_DIR``,
 ``AIP_CHECKPOINT_DIR``, ``AIP_TENSORBOARD_LOG_DIR`` under ``--base-output-dir`` (trial-scoped with
-``--trial``); ``CLOUD_ML_JOB_ID``/``PROJECT_ID``/``REGION``/``TRIAL_ID``. Addresses are free loopback
-ports. One variable Vertex does not set marks the simulation: ``VERTEXRT_LOCAL_RUN=1``.
-Output lines are prefixed by replica. The job succeeds when the chief exits 0, as Vertex judges a job; when
-the chief fails, or a worker does (Vertex would restart it; here the job fails with the worker's exit
-code), every replica is torn down (SIGTERM, ``--grace`` seconds, SIGKILL).
+``--trial``); ``CLOUD_ML_JOB_ID``/``PROJECT_ID``/``REGION``/``TRIAL_ID``. Addresses are free loopback ports.
+One variable Vertex does not set marks the simulation: ``VERTEXRT_LOCAL_RUN=1``. Each job (and trial) reports
+hypertune metrics to its own ``CLOUD_ML_HP_METRIC_FILE`` under its local output directory, unless the shell
+sets one. A managed-dataset job is simulated with ``--training-data``, ``--validation-data``, ``--test-data``
+and ``--data-format`` (or those ``AIP_*`` variables set in the shell, passed through). Output lines are
+prefixed by the Vertex replica name (``workerpool0-0``, ``workerpool1-0``; ``/<local rank>`` with several
+processes per replica); after a teardown each replica's exit code is printed. The job succeeds when the chief
+exits 0, as Vertex judges a job; when the chief fails, or a worker does (Vertex would restart it; here the job
+fails with the worker's exit code), every replica is torn down (SIGTERM, ``--grace`` seconds, SIGKILL) with
+every process it started, daemons included; a watchdog does the same if the launcher itself is killed (see
+:mod:`vertexrt.distributed.reaper`). Output is relayed as it arrives, partial lines (progress bars) too.
 
 ``--workers N`` counts training replicas including the chief (workerpool0 + N-1 in workerpool1), like the
-SDK's ``replica_count``. ``--processes-per-node K`` starts K processes per training replica with the
-variables torchrun would set. ``--reduction-server`` lists workerpool2 replicas but runs nothing there (the
-real one is Google's image); TF_CONFIG does not list them. Parameter servers and evaluators do not get
-``RANK`` (their value on Vertex is unverified).
+SDK's ``replica_count``. ``--processes-per-node K`` starts K processes per training replica with the variables
+torchrun would set. ``--reduction-server`` lists workerpool2 replicas but runs nothing there (the real one is
+Google's image); TF_CONFIG does not list them. Parameter servers and evaluators do not get ``RANK`` (their
+value on Vertex is unverified).
 
-Fault injection: ``--preempt-after S`` preempts the first attempt S seconds after it starts (SIGTERM to every
-replica, grace, SIGKILL) and restarts the whole job; ``--restarts N`` bounds restarts after a preemption or a
-failure (default 1 with ``--preempt-after``, else 0).
+Fault injection: ``--stagger S`` starts the replicas S seconds apart, the chief replica last, as VMs come up
+on Vertex (the workers must wait for the chief's address); ``--preempt-after S`` preempts the first attempt S
+seconds after it starts (SIGTERM to every replica, grace, SIGKILL) and restarts the whole job; ``--restarts
+N`` bounds restarts after a preemption or a failure (default 1 with ``--preempt-after``, else 0).
 
 Example:
     $ vertexrt local-run --workers 2 -- python train.py --lr=0.1
     $ vertexrt local-run --workers 2 --processes-per-node 2 --preempt-after 20 -- python train.py
+    $ vertexrt local-run --workers 2 --stagger 5 --training-data gs://b/train.jsonl -- python train.py
 """
 
 from __future__ import annotations
@@ -30,42 +38,40 @@ import argparse
 import contextlib
 import ctypes
 import json
+import math
 import os
+import re
 import selectors
 import signal
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from vertexrt import env as contract
+from vertexrt._net import free_ports
+from vertexrt.distributed import reaper
 from vertexrt.distributed.detection import cluster
 from vertexrt.distributed.torch import child_environment
 from vertexrt.errors import ConfigError
 
-#: Variables a replica must not inherit from the launching shell: the launcher sets its own.
-SCRUBBED_PREFIXES = ("AIP_", "CLOUD_ML_", "TORCHELASTIC_", "ROLE_")
-#: ... except these, which the user sets to capture a trial's hypertune reports where they want.
-KEPT = frozenset({"CLOUD_ML_HP_METRIC_FILE", "CLOUD_ML_HP_METRIC_TAG"})
-SCRUBBED = frozenset(
-    {
-        "CLUSTER_SPEC",
-        "TF_CONFIG",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "WORLD_SIZE",
-        "RANK",
-        "LOCAL_RANK",
-        "LOCAL_WORLD_SIZE",
-        "GROUP_RANK",
-        "GROUP_WORLD_SIZE",
-        "VERTEXRT_WORKERPOOL2",
-    }
-)
-#: Vertex pool -> its TF_CONFIG task type, which also labels the replica's log lines.
+#: A replica inherits no platform variable (:func:`vertexrt.env.is_platform_variable`) from the launching
+#: shell: the launcher sets them. The managed-dataset ones come from ``--training-data``... or, when the user
+#: set them in the shell, from there, said on a line of its own.
+DATA_VARIABLES = {
+    "training_data": "AIP_TRAINING_DATA_URI",
+    "validation_data": "AIP_VALIDATION_DATA_URI",
+    "test_data": "AIP_TEST_DATA_URI",
+    "data_format": "AIP_DATA_FORMAT",
+}
+
+
+#: Vertex pool -> its TF_CONFIG task type.
 _TF_TYPES = {"workerpool0": "chief", "workerpool1": "worker", "workerpool2": "ps", "workerpool3": "evaluator"}
 _SETTLE_SECONDS = 5.0
 
@@ -106,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--region", default="us-central1", help="CLOUD_ML_REGION")
     parser.add_argument(
         "--preempt-after",
-        type=float,
+        type=_seconds,
         default=None,
         metavar="SECONDS",
         help="preempt the first attempt after SECONDS, then restart the whole job",
@@ -119,10 +125,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--grace",
-        type=float,
+        type=_seconds,
         default=15.0,
         metavar="SECONDS",
         help="seconds between SIGTERM and SIGKILL (Vertex/GKE: about 15)",
+    )
+    parser.add_argument(
+        "--stagger",
+        type=_seconds,
+        default=0.0,
+        metavar="SECONDS",
+        help="start the replicas SECONDS apart, the chief last (VMs come up minutes apart on Vertex)",
+    )
+    data = parser.add_argument_group("managed dataset (what Vertex sets for a managed-dataset job)")
+    data.add_argument("--training-data", metavar="URI", help="AIP_TRAINING_DATA_URI")
+    data.add_argument("--validation-data", metavar="URI", help="AIP_VALIDATION_DATA_URI")
+    data.add_argument("--test-data", metavar="URI", help="AIP_TEST_DATA_URI")
+    data.add_argument(
+        "--data-format", metavar="FORMAT", help="AIP_DATA_FORMAT (jsonl, csv, tf-record, bigquery...)"
     )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
 
@@ -138,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.ps and args.reduction_server:
         raise ConfigError("local-run: --ps and --reduction-server both use workerpool2; choose one")
+    if not 0 <= args.stagger <= 3600:
+        raise ConfigError(f"local-run: --stagger {args.stagger:g}: give seconds between 0 and 3600")
     job = JobSpec(
         command=command,
         workers=args.workers,
@@ -153,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         or "local-project",
         region=args.region,
         base_output_dir=args.base_output_dir,
+        data=_data_variables(args, os.environ),
+        stagger=args.stagger,
     )
     restarts = args.restarts if args.restarts is not None else (1 if args.preempt_after is not None else 0)
     return Supervisor(job, grace=args.grace, preempt_after=args.preempt_after, restarts=restarts).run()
@@ -173,11 +197,31 @@ class JobSpec:
     project: str = "local-project"
     region: str = "us-central1"
     base_output_dir: str | None = None
+    data: Mapping[str, str] = field(default_factory=dict)  # AIP_*_DATA_URI, AIP_DATA_FORMAT
+    stagger: float = 0.0
+
+
+def _data_variables(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
+    """The managed-dataset variables: each flag given, else the variable the user set in the environment
+    (said on a line of its own, as a replica would otherwise seem to invent it)."""
+    data = {}
+    for option, name in DATA_VARIABLES.items():
+        value = getattr(args, option, None)
+        if value is not None:
+            if not value.strip():
+                flag = "--" + option.replace("_", "-")
+                raise ConfigError(f"local-run: {flag} is empty: give a value or leave it out")
+            data[name] = value
+        elif environ.get(name):
+            data[name] = environ[name]
+            _say(f"passing {name}={environ[name]} from your environment to every replica")
+    return data
 
 
 @dataclass(frozen=True)
 class Replica:
-    """One process to start: its label (log prefix), pool, and full environment."""
+    """One process to start: its label (the Vertex replica name, ``workerpool1-0``, and ``/<local rank>``
+    with several processes per replica), pool, and full environment."""
 
     label: str
     pool: str
@@ -186,7 +230,9 @@ class Replica:
     runs: bool = True
 
     @property
-    def is_chief(self) -> bool:
+    def on_chief_replica(self) -> bool:
+        """On workerpool0-0, the replica that judges the job (with several processes per replica, every
+        one of them is here; the chief *process* is only rank 0)."""
         return self.pool == "workerpool0"
 
 
@@ -208,12 +254,11 @@ def replica_environments(job: JobSpec, base_env: Mapping[str, str], ports: Seque
         for n, a in pools.items()
         if n != "workerpool3" and not (n == "workerpool2" and job.reduction_servers)
     }
-    common = {
-        k: v
-        for k, v in base_env.items()
-        if k in KEPT or (k not in SCRUBBED and not k.startswith(SCRUBBED_PREFIXES))
-    }
+    common = {k: v for k, v in base_env.items() if not contract.is_platform_variable(k)}
     common.update(_job_variables(job))
+    common.update(job.data)
+    if "CLOUD_ML_HP_METRIC_FILE" not in base_env:  # each job and trial its own, not one shared default
+        common["CLOUD_ML_HP_METRIC_FILE"] = _metric_file(job)
     common.setdefault("PYTHONUNBUFFERED", "1")
     common["VERTEXRT_LOCAL_RUN"] = "1"
     job_field = {"python_module": "", "package_uris": [], "job_args": job.command[1:]}
@@ -238,11 +283,9 @@ def replica_environments(job: JobSpec, base_env: Mapping[str, str], ports: Seque
                 env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master_port), WORLD_SIZE=str(job.workers))
                 if node_rank is not None:
                     env["RANK"] = str(node_rank)
-            label = _TF_TYPES[pool] + ("" if pool == "workerpool0" else f"-{index}")
+            label = f"{pool}-{index}"
             if pool == "workerpool2" and job.reduction_servers:
-                replicas.append(
-                    Replica(label=f"reduction-server-{index}", pool=pool, index=index, env=env, runs=False)
-                )
+                replicas.append(Replica(label=label, pool=pool, index=index, env=env, runs=False))
             elif node_rank is not None and job.processes_per_node > 1:
                 node = cluster(env)
                 for local in range(job.processes_per_node):
@@ -261,11 +304,24 @@ def port_count(job: JobSpec) -> int:
     return job.workers + max(job.ps, job.reduction_servers) + job.evaluators + 1
 
 
-def _job_variables(job: JobSpec) -> dict[str, str]:
+def _base_dir(job: JobSpec, local: bool = False) -> str:
+    """The job's (trial-scoped) output directory, ``/``-terminated; ``local``: on this machine even when
+    ``--base-output-dir`` is a ``gs://`` URI."""
     base = job.base_output_dir or os.path.join("vertexrt_output", job.job_id)
+    if local and "://" in base:
+        base = os.path.join("vertexrt_output", job.job_id)
     if "://" not in base:
         base = str(Path(base).absolute())
-    base = base.rstrip("/") + "/" + (f"{job.trial}/" if job.trial else "")
+    return base.rstrip("/") + "/" + (f"{job.trial}/" if job.trial else "")
+
+
+def _metric_file(job: JobSpec) -> str:
+    """Where this job's (trial's) hypertune reports go: under its local output directory."""
+    return _base_dir(job, local=True) + "hypertune/output.metrics"
+
+
+def _job_variables(job: JobSpec) -> dict[str, str]:
+    base = _base_dir(job)
     variables = {
         "CLOUD_ML_JOB_ID": job.job_id,
         "CLOUD_ML_PROJECT_ID": job.project,
@@ -283,9 +339,111 @@ def _job_variables(job: JobSpec) -> dict[str, str]:
 class _Running:
     replica: Replica
     proc: subprocess.Popen[bytes]
-    buffer: bytes = b""
     returncode: int | None = None
     reported: bool = False
+
+
+_LINE_END = re.compile(rb"(\r\n|\r|\n)(?=[\s\S])")  # a line end with more output after it
+_HOLD_BYTES = 1 << 16  # an unfinished line is held back at most this long...
+_HOLD_SECONDS = 0.05  # ... or this long, for its newline (print() writes text and "\n" separately)
+
+
+@dataclass
+class _Stream:
+    r"""One replica's output: its unfinished line, whether its next byte starts a line, whether it ended
+    on ``\r``."""
+
+    prefix: bytes
+    pending: bytearray = field(default_factory=bytearray)
+    since: float = 0.0
+    at_line_start: bool = True
+    after_cr: bool = False
+
+
+class OutputRelay:
+    r"""Relays replicas' output to ``out`` as it arrives, every line prefixed with the replica's label.
+
+    ``\r`` ends a line as ``\n`` does, so each redraw of a progress bar keeps its prefix. An unfinished line
+    waits for its end at most 64 KiB or 50 ms (call :meth:`flush`), then is written as it is; when another
+    replica writes while such a line is open on ``out``, that line is closed first. Work is linear in the
+    output and memory bounded by 64 KiB per replica.
+
+    Example:
+        >>> import io
+        >>> out = io.BytesIO()
+        >>> relay = OutputRelay(out)
+        >>> relay.feed("workerpool0-0", b"10%\r20%")
+        >>> relay.flush(older_than=0)
+        >>> relay.feed("workerpool1-0", b"ready\n")
+        >>> out.getvalue()
+        b'[workerpool0-0] 10%\r[workerpool0-0] 20%\n[workerpool1-0] ready\n'
+    """
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out = out
+        self._streams: dict[str, _Stream] = {}
+        self._open: _Stream | None = None  # the stream whose line is unfinished on `out`
+        self._last: _Stream | None = None  # the stream written last
+
+    def feed(self, label: str, chunk: bytes) -> None:
+        """Relay ``chunk`` of ``label``'s output: its finished lines now, an unfinished one held back."""
+        stream = self._streams.setdefault(label, _Stream(f"[{label}] ".encode()))
+        if stream.after_cr and not stream.pending and chunk[:1] == b"\n":  # \r\n split between two reads
+            chunk = chunk[1:]
+            if self._last is stream:
+                self._write(b"\n")
+        end = max(chunk.rfind(b"\n"), chunk.rfind(b"\r")) + 1
+        if end:
+            self._emit(stream, bytes(stream.pending) + chunk[:end])
+            stream.pending.clear()
+        if end < len(chunk):
+            if not stream.pending:
+                stream.since = time.monotonic()
+            stream.pending += chunk[end:]
+            if len(stream.pending) >= _HOLD_BYTES:
+                self._emit_pending(stream)
+
+    def flush(self, older_than: float = _HOLD_SECONDS) -> None:
+        """Write every unfinished line held back for ``older_than`` seconds or more."""
+        now = time.monotonic()
+        for stream in self._streams.values():
+            if stream.pending and now - stream.since >= older_than:
+                self._emit_pending(stream)
+
+    def interrupt(self) -> None:
+        """Close the line open on ``out``, so that something else can be written there."""
+        if self._open is not None:
+            self._write(b"\n")
+            self._open.at_line_start = True
+            self._open = None
+
+    def close(self, label: str) -> None:
+        """``label``'s output ended: write what is held back and finish its line."""
+        stream = self._streams.pop(label, None)
+        if stream is None:
+            return
+        self._emit_pending(stream)
+        if self._open is stream:
+            self.interrupt()
+
+    def _emit_pending(self, stream: _Stream) -> None:
+        if stream.pending:
+            self._emit(stream, bytes(stream.pending))
+            stream.pending.clear()
+
+    def _emit(self, stream: _Stream, data: bytes) -> None:
+        if self._open is not stream:
+            self.interrupt()
+        head = stream.prefix if stream.at_line_start else b""
+        self._write(head + _LINE_END.sub(lambda m: m.group(1) + stream.prefix, data))
+        stream.at_line_start = data.endswith((b"\n", b"\r"))
+        stream.after_cr = data.endswith(b"\r")
+        self._open = None if stream.at_line_start else stream
+        self._last = stream
+
+    def _write(self, data: bytes) -> None:
+        self.out.write(data)
+        self.out.flush()
 
 
 @dataclass
@@ -300,37 +458,56 @@ class Supervisor:
     _running: list[_Running] = field(default_factory=list, init=False)
     _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector, init=False)
     _stop_signal: int | None = field(default=None, init=False)
+    _run_id: str = field(default_factory=lambda: uuid.uuid4().hex, init=False)
+    _sessions: set[int] = field(default_factory=set, init=False)
+    _relay: OutputRelay = field(init=False)
+    _watchdog: subprocess.Popen[bytes] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self._relay = OutputRelay(self.out)
 
     def run(self) -> int:
         main_thread = threading.current_thread() is threading.main_thread()
         handled = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
         previous = {s: signal.signal(s, self._on_signal) for s in handled}
+        self._watchdog = watchdog = _start_watchdog(self._run_id)
         try:
             attempt = 0
             while True:
                 attempt += 1
                 outcome, code = self._attempt(preempt=self.preempt_after if attempt == 1 else None)
                 if outcome in ("preempted", "failed") and attempt <= self.restarts:
-                    _say(f"{outcome}: restarting the whole job (restart {attempt} of {self.restarts})")
+                    self._say(f"{outcome}: restarting the whole job (restart {attempt} of {self.restarts})")
                     continue
-                _say(f"job {outcome} with exit code {code}")
+                self._say(f"job {outcome} with exit code {code}")
                 return code
         finally:
+            _stop_watchdog(watchdog)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._selector.close()
+
+    def _say(self, message: str) -> None:
+        self._relay.interrupt()  # our message on a line of its own, not after a replica's unfinished one
+        _say(message)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._stop_signal = signum
 
     def _attempt(self, preempt: float | None) -> tuple[str, int]:
-        replicas = replica_environments(self.job, os.environ, _free_ports(port_count(self.job)))
+        replicas = replica_environments(self.job, os.environ, free_ports(port_count(self.job)))
         try:
             for replica in replicas:
-                if replica.runs:
-                    self._start(replica)
-                else:
-                    _say(f"{replica.label}: listed in CLUSTER_SPEC, not run locally")
+                if not replica.runs:
+                    self._say(f"{replica.label}: listed in CLUSTER_SPEC, not run locally")
+            if self.job.stagger:  # VMs come up apart; the chief (and its listening port) last
+                replicas.sort(key=lambda r: r.on_chief_replica)
+            for i, replica in enumerate(r for r in replicas if r.runs):
+                if i and self.job.stagger:
+                    self._wait(lambda r: False, timeout=self.job.stagger, until=self._stopping)
+                if self._stopping():  # a signal or a failure: start no more replicas, _watch reports it
+                    break
+                self._start(replica)
             outcome, code = self._watch(time.monotonic(), preempt)
             if outcome == "succeeded":  # Vertex then shuts the others down; let workers finish first
                 self._wait(
@@ -344,7 +521,7 @@ class Supervisor:
         try:
             proc = subprocess.Popen(
                 self.job.command,
-                env=replica.env,
+                env={**replica.env, reaper.RUN_ID_VARIABLE: self._run_id},
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -355,6 +532,8 @@ class Supervisor:
             raise ConfigError(
                 f"local-run: cannot start {self.job.command[0]!r} for {replica.label}: {err}"
             ) from None
+        self._sessions.add(proc.pid)  # start_new_session: the replica leads its own session
+        self._tell_watchdog(f"session {proc.pid}\n")
         running = _Running(replica, proc)
         os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
         self._selector.register(proc.stdout, selectors.EVENT_READ, running)  # type: ignore[arg-type]
@@ -367,19 +546,19 @@ class Supervisor:
                 if r.returncode is None or r.reported:
                     continue
                 r.reported = True
-                _say(f"{r.replica.label} exited with code {r.returncode}")
+                self._say(f"{r.replica.label} exited with code {r.returncode}")
                 if r.returncode != 0 and r.replica.pool in ("workerpool0", "workerpool1"):
-                    who = "the chief" if r.replica.is_chief else r.replica.label
-                    _say(f"{who} failed: tearing down every replica")
+                    who = "the chief replica" if r.replica.on_chief_replica else "replica"
+                    self._say(f"{who} {r.replica.label} failed: tearing down every replica")
                     return "failed", r.returncode
-            chief = [r for r in self._running if r.replica.is_chief]
-            if all(r.returncode == 0 for r in chief):
+            chief = [r for r in self._running if r.replica.on_chief_replica]
+            if chief and all(r.returncode == 0 for r in chief):  # none when stopped before it started
                 return "succeeded", 0
             if self._stop_signal is not None:
-                _say(f"received signal {self._stop_signal}: tearing down every replica")
+                self._say(f"received signal {self._stop_signal}: tearing down every replica")
                 return "interrupted", 128 + self._stop_signal
             if preempt is not None and time.monotonic() - started >= preempt:
-                _say(
+                self._say(
                     f"preempting the job after {preempt:g}s: SIGTERM to every replica, {self.grace:g}s grace"
                 )
                 self._teardown()
@@ -395,54 +574,72 @@ class Supervisor:
                 continue
             if not chunk:
                 self._selector.unregister(key.fileobj)
-                self._emit(running, final=True)
+                self._relay.close(running.replica.label)
                 continue
-            running.buffer += chunk
-            self._emit(running)
+            self._relay.feed(running.replica.label, chunk)
+        self._relay.flush()
         for r in self._running:
             if r.returncode is None and r.proc.poll() is not None:
                 r.returncode = _exit_code(r.proc.returncode)
 
-    def _emit(self, running: _Running, final: bool = False) -> None:
-        *lines, running.buffer = running.buffer.split(b"\n")
-        if final and running.buffer:
-            lines.append(running.buffer)
-            running.buffer = b""
-        prefix = f"[{running.replica.label}] ".encode()
-        data = b"".join(prefix + line + b"\n" for line in lines)
-        if data:
-            self.out.write(data)
-            self.out.flush()
-
-    def _wait(self, done: Callable[[_Running], bool], timeout: float) -> None:
+    def _wait(
+        self, done: Callable[[_Running], bool], timeout: float, until: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Relay output until every running replica is ``done`` or has exited, ``until()`` holds, or
+        ``timeout`` seconds pass."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(
-            r.returncode is None and not done(r) for r in self._running
+        while (
+            time.monotonic() < deadline
+            and not until()
+            and any(r.returncode is None and not done(r) for r in self._running)
         ):
             self._pump(0.05)
 
+    def _stopping(self) -> bool:
+        """A signal arrived, or a training replica failed: the job ends."""
+        return self._stop_signal is not None or any(
+            r.returncode not in (None, 0) and r.replica.pool in ("workerpool0", "workerpool1")
+            for r in self._running
+        )
+
     def _teardown(self) -> None:
-        """SIGTERM every process group still alive, wait ``grace``, SIGKILL the rest; relay their output."""
+        """SIGTERM every process the job started, wait ``grace`` for the replicas, SIGKILL everything left
+        (daemons that left the replica's process group too); relay their output."""
         alive = [r for r in self._running if r.returncode is None]
         for r in alive:
             _signal_group(r.proc.pid, signal.SIGTERM)
+        groups = {r.proc.pid for r in alive}  # signalled just now: once is enough
+        reaper.kill_all(self._run_id, self._sessions, signal.SIGTERM, skip_groups=groups)
         self._wait(lambda r: False, timeout=self.grace if alive else 0)
+        killed = [r for r in self._running if r.returncode is None]
         for r in self._running:
-            if r.returncode is None:
-                _say(f"{r.replica.label} ignored SIGTERM for {self.grace:g}s: SIGKILL")
             _signal_group(r.proc.pid, signal.SIGKILL)  # also reaps grandchildren left in the group
+        reaper.kill_all(self._run_id, self._sessions)
         for r in self._running:
             r.proc.wait()
             r.returncode = _exit_code(r.proc.returncode)
+            if r in killed:
+                self._say(f"{r.replica.label} ignored SIGTERM: SIGKILLed after the {self.grace:g} s grace")
+            elif not r.reported:
+                self._say(f"{r.replica.label} exited with code {r.returncode}")
+            r.reported = True
         deadline = time.monotonic() + 2.0  # a daemonised grandchild may hold a pipe open: stop relaying
         while self._selector.get_map() and time.monotonic() < deadline:
             self._pump(0.05)
         for key in list(self._selector.get_map().values()):
             self._selector.unregister(key.fileobj)
-            self._emit(key.data, final=True)
+            self._relay.close(key.data.replica.label)
         for r in self._running:
             r.proc.stdout.close()  # type: ignore[union-attr]
         self._running.clear()
+        self._tell_watchdog("".join(f"end {pid}\n" for pid in self._sessions))
+        self._sessions.clear()
+
+    def _tell_watchdog(self, lines: str) -> None:
+        if self._watchdog is not None and self._watchdog.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._watchdog.stdin.write(lines.encode())
+                self._watchdog.stdin.flush()
 
 
 def _signal_group(pid: int, sig: int) -> None:
@@ -464,19 +661,24 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _free_ports(count: int) -> list[int]:
-    import socket
+def _start_watchdog(run_id: str) -> subprocess.Popen[bytes]:
+    """The reaper that outlives the launcher: it kills the job's processes when our pipe to it closes."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "vertexrt.distributed.reaper", run_id],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # not in the terminal's process group: a Ctrl-C goes to the launcher
+    )
 
-    sockets = []
+
+def _stop_watchdog(watchdog: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(OSError):
+        watchdog.stdin.close()  # type: ignore[union-attr]
     try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+        watchdog.wait(30)
+    except subprocess.TimeoutExpired:
+        watchdog.kill()
+        watchdog.wait()
 
 
 def _say(message: str) -> None:
@@ -487,6 +689,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
     return value
 
 

@@ -2,8 +2,8 @@
 
 Example:
     >>> c = Cluster(source="local")
-    >>> c.rank, c.world_size, c.is_chief
-    (0, 1, True)
+    >>> c.rank, c.world_size, c.is_chief, c.replica
+    (0, 1, True, 'chief-0')
 """
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: Canonical roles. ``chief`` and ``worker`` replicas form the training world; the others do not.
-ROLES = ("chief", "worker", "ps", "reduction_server", "evaluator")
+#: The roles whose replicas form the training world (the others: ``ps``, ``reduction_server``, ``evaluator``).
 TRAINING_ROLES = ("chief", "worker")
 
 
@@ -33,6 +32,14 @@ class Cluster:
     ``world_size`` = training nodes x processes per node. Replicas outside the training world (parameter
     servers, Reduction Server, evaluators) get ``rank = node_rank = -1`` (as ``torch.distributed`` reports a
     non-member) and ``world_size`` of the training world they serve.
+
+    Two words mean one thing each, everywhere in vertexrt:
+
+    - **replica**: one VM of the job as Vertex names it, ``<pool>-<index>`` (``workerpool0-0``,
+      ``workerpool1-3``; ``chief-0``/``worker-2`` when the source lists no pools); see :attr:`replica`. A
+      replica runs one process, or several with torchrun (they share the replica name, not the rank).
+    - **chief**: the one *process* that writes, global rank 0 of the training world (:attr:`is_chief`);
+      not "every process on the chief replica".
 
     Attributes:
         source: where it came from: ``"torchrun"``, ``"CLUSTER_SPEC"``, ``"TF_CONFIG"``, ``"MASTER_ADDR"``
@@ -66,6 +73,12 @@ class Cluster:
         return self.rank == 0
 
     @property
+    def replica(self) -> str:
+        """The Vertex replica name, e.g. ``workerpool1-0`` (``worker-0`` when the source lists no pools)."""
+        own = self.pool(self.role)
+        return f"{own.name if own else self.role}-{self.task_index}"
+
+    @property
     def in_training_world(self) -> bool:
         """False on parameter servers, Reduction Server replicas and evaluators."""
         return self.rank >= 0
@@ -84,6 +97,7 @@ class Cluster:
         return {
             "source": self.source,
             "role": f"{self.role}[{self.task_index}]",
+            "replica": self.replica,
             "rank": f"{self.rank} of {self.world_size}",
             "node": f"{self.node_rank} of {self.num_nodes}",
             "local_rank": f"{self.local_rank} of {self.local_world_size}",

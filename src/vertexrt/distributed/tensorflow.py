@@ -18,12 +18,14 @@ Example:
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import json
 import logging
 import os
 from typing import Any
 
+from vertexrt.distributed import rendezvous
 from vertexrt.distributed.detection import cluster as current_cluster
 from vertexrt.distributed.model import Cluster
 from vertexrt.errors import ClusterSpecError, ConfigError
@@ -31,15 +33,18 @@ from vertexrt.errors import ClusterSpecError, ConfigError
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("auto", "multi_worker_mirrored", "parameter_server", "mirrored", "default")
+#: What TensorFlow's ``TFConfigClusterResolver`` reads from TF_CONFIG beside cluster and task.
+_RESOLVER_KEYS = ("rpc_layer", "session_master")
 _TF_TASK_TYPES = {"chief": "chief", "worker": "worker", "ps": "ps", "evaluator": "evaluator"}
 
 KERAS_ADVICE = (
     "Keras 3 (the tf.keras of TensorFlow >= 2.16) fails in model.fit/evaluate/predict under "
     "MultiWorkerMirroredStrategy on TF 2.21 (ValueError: Attempt to convert a value (PerReplica...) to a "
     "Tensor). Use tf-keras: `pip install --no-deps tf-keras==<your TF version>` and "
-    "setup_tensorflow(legacy_keras=True) (or TF_USE_LEGACY_KERAS=1 before the first use of tf.keras), then "
-    "build models with tf.keras; or keep Keras 3 and train with a custom loop (strategy.run + "
-    "tf.GradientTape). Pass legacy_keras=False to silence this warning."
+    "@vertexrt.main(framework='tf', legacy_keras=True) (or setup_tensorflow(legacy_keras=True), or "
+    "TF_USE_LEGACY_KERAS=1 before the first use of tf.keras), then build models with tf.keras; or keep "
+    "Keras 3 and train with a custom loop (strategy.run + tf.GradientTape). Pass legacy_keras=False (to "
+    "@vertexrt.main or setup_tensorflow) to silence this warning."
 )
 
 
@@ -47,7 +52,8 @@ def tf_config(cluster: Cluster | None = None) -> dict[str, Any]:
     """The ``TF_CONFIG`` dict ``tf.distribute`` expects for this task; ``{}`` when there is no cluster.
 
     Pools map to TensorFlow task types: workerpool0 -> ``chief``, workerpool1 -> ``worker``, workerpool2 ->
-    ``ps``; evaluators appear only as ``task.type`` and Reduction Server replicas not at all.
+    ``ps``; evaluators appear only as ``task.type`` and Reduction Server replicas not at all. ``rpc_layer``
+    and ``session_master`` of the ``TF_CONFIG`` in the environment are kept.
 
     Example:
         >>> tf_config()   # single process
@@ -72,6 +78,8 @@ def tf_config(cluster: Cluster | None = None) -> dict[str, Any]:
     }
     if c.trial_id is not None:
         config["task"]["trial"] = c.trial_id
+    existing = _extra_keys(os.environ.get("TF_CONFIG"))
+    config.update({k: existing[k] for k in _RESOLVER_KEYS if isinstance(existing.get(k), str)})
     return config
 
 
@@ -112,12 +120,25 @@ def setup_tensorflow(
     _steer_keras(tf, chosen, legacy_keras)
     logger.info("TensorFlow strategy %s for %s[%d] (cluster from %s)", chosen, c.role, c.task_index, c.source)
     if chosen == "multi_worker_mirrored":
-        return _multi_worker_mirrored(tf)
+        deadline = rendezvous.Deadline.from_environment()
+        _wait_for_chief(c, deadline)
+        return _multi_worker_mirrored(tf, c, deadline)
     if chosen == "parameter_server":
         return _parameter_server(tf, c)
     if chosen == "mirrored":
         return tf.distribute.MirroredStrategy()
     return tf.distribute.get_strategy()
+
+
+def _wait_for_chief(c: Cluster, deadline: rendezvous.Deadline) -> None:
+    """On a worker: wait until the chief's address resolves and its server listens (patient rendezvous,
+    :mod:`vertexrt.distributed.rendezvous`), before TensorFlow's constructor starts its own, unbounded wait.
+    The chief opens its port in that constructor, so it does not wait here."""
+    chief_is_worker_0 = c.pool("chief") is None and (c.role, c.task_index) == ("worker", 0)
+    if c.role == "chief" or chief_is_worker_0 or c.chief_address is None:
+        return
+    host, _, port = c.chief_address.rpartition(":")
+    rendezvous.wait_for_address(host.strip("[]"), int(port), deadline)
 
 
 def _extra_keys(existing: str | None) -> dict[str, Any]:
@@ -144,7 +165,7 @@ def _choose(strategy: str, c: Cluster, config: dict[str, Any], tf: Any) -> str:
     return "default"
 
 
-def _multi_worker_mirrored(tf: Any) -> Any:
+def _multi_worker_mirrored(tf: Any, c: Cluster, deadline: rendezvous.Deadline) -> Any:
     from tensorflow.python.eager import context
 
     ordering = (
@@ -155,12 +176,27 @@ def _multi_worker_mirrored(tf: Any) -> Any:
     if context.context()._initialized:
         raise ConfigError(f"TensorFlow has already run ops in this process. {ordering}")
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    # The constructor waits, without a bound and holding the GIL, until every task of the cluster has
+    # connected: a task that never starts would hang this replica for good. A C-level timer (no Python
+    # thread can run meanwhile) dumps the stacks and exits 1: Vertex ends the job instead of billing a hang.
+    remaining = max(deadline.remaining(), 1.0)
+    tasks = sum(len(p.addresses) for p in c.pools if p.role in ("chief", "worker"))
+    logger.info(
+        "MultiWorkerMirroredStrategy: waiting for the cluster's %d tasks, at most %.0f s (%s); past that "
+        "this replica exits with code 1 after a stack dump: a task did not start, see its log",
+        tasks,
+        remaining,
+        rendezvous.VARIABLE,
+    )
+    faulthandler.dump_traceback_later(remaining, exit=True)
     try:
         return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     except RuntimeError as err:
         if "program startup" in str(err):
             raise ConfigError(f"TensorFlow refused the multi-worker setup ({err}). {ordering}") from None
         raise
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _parameter_server(tf: Any, c: Cluster) -> Any:

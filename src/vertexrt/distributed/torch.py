@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from vertexrt import devices
+from vertexrt._net import free_port
+from vertexrt.distributed import rendezvous
 from vertexrt.distributed.detection import cluster as current_cluster
 from vertexrt.distributed.model import Cluster
 from vertexrt.errors import ConfigError
@@ -64,13 +64,16 @@ def init_torch(
 
     Args:
         backend: ``auto`` (``nccl`` when this rank has a GPU, else ``gloo``), or any torch backend name.
-        timeout: rendezvous and collective timeout (a ``timedelta`` or seconds). Vertex starts replicas in
-            parallel, so peers may take minutes to arrive.
+        timeout: collective timeout (a ``timedelta`` or seconds). The rendezvous has its own deadline,
+            ``VERTEXRT_RENDEZVOUS_TIMEOUT`` seconds (default 30 min): Vertex starts replicas in parallel,
+            but their VMs come up minutes apart; until then workers wait for the chief's address, logging
+            "waiting for the chief at host:port, 45 s", and every process logs "k of N replicas joined".
         cluster: the cluster to use (default :func:`vertexrt.distributed.cluster`).
 
     Raises:
         ConfigError: this replica is not part of the training world (ps, evaluator, Reduction Server), or
-            the cluster has no rendezvous address.
+            the cluster has no rendezvous address, or ``backend="nccl"`` without a GPU.
+        RendezvousTimeout: the chief did not answer, or not every process joined, by the deadline.
     """
     import torch
     import torch.distributed as dist
@@ -81,26 +84,78 @@ def init_torch(
             f"init_torch(): this replica is {c.role} {c.task_index} (from {c.source}), which is not part of "
             "the training world; only chief and worker replicas join the process group"
         )
-    device = torch.device(devices.select_device(c.local_rank, c.local_world_size, torch.cuda.device_count()))
+    chosen, device, extra = process_group_arguments(c, backend, torch.cuda.device_count())
     if dist.is_initialized():
         return _handle(dist, c, device)
-    chosen = ("nccl" if device.type == "cuda" else "gloo") if backend == "auto" else backend
     if chosen == "nccl":
+        from vertexrt import devices  # devices sits below distributed (DESIGN's layers): imported at use
+
         devices.apply_nccl_defaults()
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # this process's own GPU, picked by its local rank
     wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
     if c.world_size == 1:
-        dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1, timeout=wait)
-    elif c.source == "torchrun":
-        dist.init_process_group(chosen, init_method="env://", timeout=wait)  # may use torchrun's agent store
+        store = dist.HashStore()
+        dist.init_process_group(chosen, store=store, rank=0, world_size=1, timeout=wait, **extra)
+    elif c.source == "torchrun" and os.environ.get("TORCHELASTIC_RUN_ID"):
+        # torchrun's agent already held the rendezvous; env:// may use its store
+        dist.init_process_group(chosen, init_method="env://", timeout=wait, **extra)
     else:
-        host, port = _rendezvous(c)
-        logger.info("rendezvous at %s:%d as rank %d of %d (%s)", host, port, c.rank, c.world_size, chosen)
+        store = _join(dist, c, wait)
+        logger.info("process group %s: rank %d of %d on %s", chosen, c.rank, c.world_size, device)
         dist.init_process_group(
-            chosen, init_method=f"tcp://{host}:{port}", rank=c.rank, world_size=c.world_size, timeout=wait
+            chosen, store=store, rank=c.rank, world_size=c.world_size, timeout=wait, **extra
         )
     return _handle(dist, c, device)
+
+
+def process_group_arguments(c: Cluster, backend: str, num_gpus: int) -> tuple[str, Any, dict[str, Any]]:
+    """What :func:`init_torch` passes for this process: the backend, its ``torch.device`` (``cuda:<local
+    rank>`` among the visible GPUs, see :func:`vertexrt.devices.select_device`) and the extra
+    ``init_process_group`` arguments: ``device_id`` for NCCL, which binds the communicator to this
+    process's GPU (without it NCCL guesses the device from the global rank, and may hang).
+
+    Example:
+        >>> process_group_arguments(Cluster("torchrun", local_rank=1, local_world_size=2), "auto", 2)
+        ('nccl', device(type='cuda', index=1), {'device_id': device(type='cuda', index=1)})
+    """
+    import torch
+
+    from vertexrt import devices
+
+    device = torch.device(devices.select_device(c.local_rank, c.local_world_size, num_gpus))
+    devices.warn_unused_gpus(c.local_world_size, num_gpus)
+    chosen = ("nccl" if device.type == "cuda" else "gloo") if backend == "auto" else backend
+    extra: dict[str, Any] = {}
+    if chosen == "nccl":
+        if device.type != "cuda":
+            raise ConfigError(
+                f"init_torch(backend='nccl'): rank {c.rank} sees no GPU (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}); use backend='auto' or 'gloo' on CPU"
+            )
+        extra["device_id"] = device
+    return chosen, device, extra
+
+
+#: The store key every process increments once it has joined.
+_JOINED = "vertexrt/joined"
+
+
+def _join(dist: Any, c: Cluster, wait: timedelta) -> Any:
+    """The job's TCPStore, once every process has joined: rank 0 serves it, the others first wait for its
+    address (patient rendezvous, see :mod:`vertexrt.distributed.rendezvous`)."""
+    deadline = rendezvous.Deadline.from_environment()
+    host, port = _rendezvous(c)
+    if c.rank != 0:
+        rendezvous.wait_for_address(host, port, deadline)
+    logger.info("rendezvous at %s:%d as rank %d of %d", host, port, c.rank, c.world_size)
+    store = dist.TCPStore(
+        host, port, c.world_size, is_master=c.rank == 0, timeout=wait, wait_for_workers=False
+    )
+    store.add(_JOINED, 1)
+    noun = "replicas" if c.local_world_size == 1 else "processes"
+    rendezvous.wait_for_count(lambda: int(store.add(_JOINED, 0)), c.world_size, deadline, noun)
+    return store
 
 
 def _handle(dist: Any, c: Cluster, device: Any) -> TorchHandle:
@@ -121,9 +176,9 @@ def _rendezvous(c: Cluster) -> tuple[str, int]:
             "address; set MASTER_ADDR and MASTER_PORT"
         )
     host, _, port = c.rendezvous_address.rpartition(":")
-    # The store's server listens on every interface; rank 0 reaches it over loopback because its own
-    # service name may not resolve from inside its pod early in the job (see vertex-contract §1.6).
-    return ("127.0.0.1" if c.rank == 0 else host.strip("[]")), int(port)
+    # The store's server listens on every interface; the chief's replica reaches it over loopback because
+    # its own service name may not resolve from inside its pod early in the job (see vertex-contract §1.6).
+    return ("127.0.0.1" if c.node_rank == 0 else host.strip("[]")), int(port)
 
 
 def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | str = "gpu") -> None:
@@ -182,6 +237,8 @@ def child_environment(c: Cluster, local_rank: int, nprocs: int, rendezvous: str)
 
 def _process_count(nprocs: int | str) -> int:
     if nprocs == "gpu":
+        from vertexrt import devices
+
         return max(devices.gpu_count(), 1)
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(f"spawn(nprocs={nprocs!r}): expected a positive integer or 'gpu'")
@@ -193,10 +250,3 @@ def _child(
 ) -> None:
     os.environ.update(envs[local_rank])
     fn(local_rank, *args)
-
-
-def free_port() -> int:
-    """A TCP port that is free on loopback right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vertexrt.runtime.metrics import MetricsReporter
+from vertexrt.runtime.signals import Subscription, preemption_signal
 from vertexrt.runtime.vote import StopVote
 
 if TYPE_CHECKING:
-    from vertexrt.checkpoint import CheckpointManager, PreemptionNotice
+    from vertexrt.checkpoint import CheckpointManager
     from vertexrt.distributed import Cluster
     from vertexrt.env import Environment
+    from vertexrt.runtime.profiling import StepProfiler
+    from vertexrt.runtime.watchdog import HangWatchdog
 
 
 @dataclass
@@ -35,7 +38,8 @@ class Context:
         cluster: this process's place in the job (role, index, ranks).
         framework: ``"torch"``, ``"tf"`` or ``None``.
         device: a ``torch.device`` for torch, ``"cpu"`` otherwise.
-        rank, world_size, local_rank: of this training process (torch.distributed's when it is up).
+        rank, world_size, local_rank: of this training process, from ``vertexrt.distributed.world_info()``
+            (torch.distributed's when it is up, else the cluster's).
         args: the parsed arguments when ``@main`` was given a parser, else ``None``.
         strategy: the ``tf.distribute.Strategy`` for ``framework="tf"``, else ``None``.
         metrics: reports metrics to logs and hypertune (chief only).
@@ -52,9 +56,13 @@ class Context:
     strategy: Any = None
     metrics: MetricsReporter = field(default_factory=lambda: MetricsReporter(is_chief=True))
     _checkpoints: CheckpointManager | None = field(default=None, repr=False)
-    _notice: PreemptionNotice | None = field(default=None, repr=False)
+    _notice: Subscription | None = field(default=None, repr=False)
     _vote: StopVote = field(default_factory=StopVote, repr=False)
     _preempted: bool = field(default=False, repr=False)
+    _preflighted: bool = field(default=False, repr=False)
+    _watchdog: HangWatchdog | None = field(
+        default=None, repr=False
+    )  # @main ran (or skipped) the preflight checks
 
     @classmethod
     def create(
@@ -68,20 +76,25 @@ class Context:
         args: Any = None,
         strategy: Any = None,
     ) -> Context:
-        """Read the environment and the cluster now; ranks default to the cluster's."""
+        """Read the environment and the cluster now; ranks default to ``vertexrt.distributed.world_info()``.
+
+        Raises:
+            ClusterSpecError: the cluster description (``CLUSTER_SPEC``, ``TF_CONFIG``, ...) is malformed.
+        """
         from vertexrt.distributed import cluster as read_cluster
+        from vertexrt.distributed import world_info
         from vertexrt.env import environment
 
-        where = read_cluster()
-        rank = where.rank if rank is None else rank
+        where, world = read_cluster(), world_info()
+        rank = world.rank if rank is None else rank
         return cls(
             env=environment(),
             cluster=where,
             framework=framework,
             device=device,
             rank=rank,
-            world_size=where.world_size if world_size is None else world_size,
-            local_rank=where.local_rank if local_rank is None else local_rank,
+            world_size=world.world_size if world_size is None else world_size,
+            local_rank=world.local_rank if local_rank is None else local_rank,
             args=args,
             strategy=strategy,
             metrics=MetricsReporter(is_chief=rank == 0),
@@ -95,8 +108,7 @@ class Context:
     @property
     def replica(self) -> str:
         """The Vertex replica name, e.g. ``workerpool0-0`` (the role, e.g. ``chief-0``, without pools)."""
-        pool = self.cluster.pool(self.cluster.role)
-        return f"{pool.name if pool else self.cluster.role}-{self.cluster.task_index}"
+        return self.cluster.replica
 
     @property
     def checkpoints(self) -> CheckpointManager:
@@ -126,21 +138,20 @@ class Context:
         return self._preempted
 
     def install_preemption_handler(self) -> bool:
-        """Make SIGTERM (Vertex's preemption notice) set a flag instead of killing the process.
+        """Subscribe to the preemption notice: SIGTERM then sets a flag instead of killing the process.
 
-        Returns False when it was already installed. Call it from the main thread.
+        Returns False when this context already subscribed. Call it from the main thread. The process-wide
+        owner (``vertexrt.runtime.signals``) puts the original handler back when its last subscriber leaves.
         """
         if self._notice is not None:
             return False
-        from vertexrt.checkpoint import PreemptionNotice
-
-        self._notice = PreemptionNotice().install()
+        self._notice = preemption_signal().subscribe()
         return True
 
     def uninstall_preemption_handler(self) -> None:
-        """Put the SIGTERM handler that was there before ``install_preemption_handler()`` back."""
+        """End this context's subscription (the original SIGTERM handler returns with the last one)."""
         if self._notice is not None:
-            self._notice.uninstall()
+            self._notice.close()
             self._notice = None
 
     def should_stop(self) -> bool:
@@ -155,12 +166,48 @@ class Context:
             self._preempted = self._vote(self._notice is not None and self._notice.requested)
         return self._preempted
 
+    @property
+    def watchdog(self) -> HangWatchdog:
+        """The process's hang watchdog (``VERTEXRT_HANG_TIMEOUT``, default 30 min), created on first use.
+
+        Its countdown starts at the first :meth:`step` (or ``watchdog.beat()``): a job that never reports a
+        step is never ended by it. The Trainer and the Keras callbacks report their steps themselves.
+        """
+        if self._watchdog is None:
+            from vertexrt.runtime.watchdog import process_watchdog
+
+            self._watchdog = process_watchdog(replica=f"{self.replica} rank {self.rank}")
+        return self._watchdog
+
+    def step(self, step: int) -> None:
+        """Report that ``step`` completed: feeds the hang watchdog (a clock read; call it after every step).
+
+        After ``VERTEXRT_HANG_TIMEOUT`` seconds without a report the watchdog logs every thread's stack and
+        the last collectives, and exits so that Vertex restarts the replica; it resumes from its checkpoint.
+        """
+        self.watchdog.beat(step)
+
+    def profile(self, steps: range, **options: Any) -> StepProfiler:
+        """A torch profiler of the steps in ``steps``, traced under ``AIP_TENSORBOARD_LOG_DIR`` (chief only).
+
+        Example:
+            >>> with ctx.profile(range(10, 15)) as prof:  # doctest: +SKIP
+            ...     for batch in data:
+            ...         train_step(batch)
+            ...         prof.step()
+        """
+        from vertexrt.runtime.profiling import StepProfiler
+
+        return StepProfiler(steps, rank=self.rank, log_dir=self.env.tensorboard_log_dir, **options)
+
     def close(self, *, drain: bool = True) -> None:
         """Finish the checkpoint save in flight and put the previous SIGTERM handler back.
 
         ``drain=False`` (after a failure) does not wait for the other ranks' last ``should_stop()``.
         """
         try:
+            if self._watchdog is not None:
+                self._watchdog.stop()
             if drain:
                 self._vote.drain()
             if self._checkpoints is not None:

@@ -1,10 +1,13 @@
 """``@vertexrt.main``: the entry point of a training script on Vertex AI, under local-run, or torchrun.
 
-It reads the environment and the cluster, sets up replica-prefixed logging, installs the preemption
-handler, parses the arguments, initialises distributed training for the framework, picks the device,
-and calls the function with a ``Context``. Outcomes: the function's return value (exit 0); the user's
-exception re-raised with the replica named; ``SystemExit(143)`` (128 + SIGTERM) after a preemption, once
-the checkpoint is saved, so that the platform restarts the replica and it resumes.
+It reads the environment and the cluster, sets up replica-prefixed logging, subscribes to the preemption
+notice, runs the preflight checks of ``vertexrt doctor`` (a fatal finding exits 1 with its fix, before the
+function runs), logs the contract checks of ``vertexrt info`` as warnings, parses the arguments, initialises
+distributed training for the framework, picks the device, and calls the function with a ``Context``.
+Outcomes: the function's return value (exit 0); the user's exception re-raised with the replica named;
+``SystemExit(143)`` (128 + SIGTERM) after a preemption, so that the platform restarts the replica and it
+resumes. A SIGTERM the function never asked about (``ctx.should_stop()``) is logged loudly, a few seconds
+after it arrived and again at the end, and the process exits 143 rather than report success.
 
 Example:
     >>> import argparse, vertexrt
@@ -22,23 +25,26 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import signal
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from vertexrt.errors import ConfigError
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.logs import setup_logging
+from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE, UnpolledWatch, preemption_signal
 
 if TYPE_CHECKING:
     import argparse
 
 logger = logging.getLogger(__name__)
 
-PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 FRAMEWORKS = ("torch", "tf", None)
 
 R = TypeVar("R")
+
+#: Seconds an unpolled preemption notice waits before the first warning (Vertex kills ~15 s after SIGTERM).
+UNPOLLED_WARNING_AFTER = 3.0
 
 
 class Preempted(SystemExit):
@@ -65,6 +71,9 @@ def main(
     ignore_unknown_args: bool = False,
     log_level: int | str = logging.INFO,
     log_all_ranks: bool = False,
+    preflight: bool = True,
+    strategy: str = "auto",
+    legacy_keras: bool | None = None,
 ) -> Callable[[Callable[..., R]], Callable[..., R]]: ...
 
 
@@ -76,6 +85,9 @@ def main(
     ignore_unknown_args: bool = False,
     log_level: int | str = logging.INFO,
     log_all_ranks: bool = False,
+    preflight: bool = True,
+    strategy: str = "auto",
+    legacy_keras: bool | None = None,
 ) -> Any:
     """Decorate the training function ``fn(ctx)`` or ``fn(ctx, args)``.
 
@@ -86,11 +98,27 @@ def main(
             ``--job-dir``); the namespace is passed as ``args`` and kept in ``ctx.args``.
         ignore_unknown_args: warn about unknown flags instead of exiting.
         log_level: the chief's log level; other ranks log WARNING and above unless ``log_all_ranks``.
+        preflight: run ``vertexrt.doctor.preflight`` (output dirs writable, mounts, credentials, data, GPUs,
+            ...) before the function; a fatal finding logs it with its fix and exits 1. ``False`` skips it.
+        strategy, legacy_keras: for ``framework="tf"``, passed to ``vertexrt.distributed.setup_tensorflow``:
+            ``strategy="multi_worker_mirrored"`` etc.; ``legacy_keras=True`` makes ``tf.keras`` tf-keras,
+            which ``model.fit`` under MultiWorkerMirroredStrategy needs on TF 2.21 (Keras 3 fails there
+            with "Attempt to convert a value (PerReplica...)"); ``False`` keeps Keras 3 without a warning.
 
     The decorated function takes an optional ``argv`` (default ``sys.argv[1:]``).
+
+    Example:
+        >>> @vertexrt.main(framework="tf", legacy_keras=True)  # doctest: +SKIP
+        ... def train(ctx): ...
     """
     if framework not in FRAMEWORKS:
         raise ConfigError(f"@vertexrt.main(framework={framework!r}): use 'torch', 'tf' or None")
+    if framework != "tf" and (strategy != "auto" or legacy_keras is not None):
+        raise ConfigError(
+            f"@vertexrt.main(strategy={strategy!r}, legacy_keras={legacy_keras!r}) are TensorFlow options: "
+            "add framework='tf', or remove them"
+        )
+    tf_options = {"strategy": strategy, "legacy_keras": legacy_keras}
 
     def decorate(user_fn: Callable[..., R]) -> Callable[..., R]:
         wants_args = _takes_two_arguments(user_fn)
@@ -106,6 +134,8 @@ def main(
                 ignore_unknown_args=ignore_unknown_args,
                 log_level=log_level,
                 log_all_ranks=log_all_ranks,
+                preflight=preflight,
+                tf_options=tf_options,
             )
 
         return run
@@ -134,23 +164,33 @@ def _run(
     ignore_unknown_args: bool,
     log_level: int | str,
     log_all_ranks: bool,
+    preflight: bool,
+    tf_options: dict[str, Any],
 ) -> R:
     ctx = Context.create(framework)
     undo_logging = _setup_logging(ctx, log_level, log_all_ranks)
     owns_process_group = failed = False
+    notice, watch = preemption_signal(), None
     try:
         ctx.install_preemption_handler()  # before the slow parts: from now on a SIGTERM sets a flag
+        watch = UnpolledWatch(notice, after=UNPOLLED_WARNING_AFTER, warn=_warn_unpolled_now)
+        if preflight:
+            _preflight(ctx)
+        ctx._preflighted = True  # run, or declined: the Trainer does not run it again
         if parser is not None:
             from vertexrt import hypertune
 
             ctx.args = hypertune.parse_args(parser, argv, ignore_unknown=ignore_unknown_args)
         rank = ctx.rank
-        owns_process_group = _init_framework(ctx)
+        ctx.watchdog.start()  # before the process group: torch's flight recorder then records collectives
+        owns_process_group = _init_framework(ctx, tf_options)
         if ctx.rank != rank:  # torch.distributed's rank is authoritative: relabel the log lines
             undo_logging()
             undo_logging = _setup_logging(ctx, log_level, log_all_ranks)
         ctx.metrics.is_chief = ctx.is_chief
         _log_banner(ctx)
+        if ctx.is_chief and not preflight:  # the preflight checks include these
+            _log_contract_warnings(ctx)
         try:
             result: R | None = user_fn(ctx, ctx.args) if wants_args else user_fn(ctx)
         except Preempted:
@@ -158,6 +198,8 @@ def _run(
         except Exception as err:
             failed = True  # the other ranks may be stuck in a collective: tear down without waiting
             where = f"replica {ctx.replica} (rank {ctx.rank} of {ctx.world_size})"
+            if notice.unpolled and not ctx.preempted:
+                _warn_unpolled_at_exit(notice.arrived_at, "then raised (its error follows)")
             logger.error("%s failed: %s: %s", where, type(err).__name__, err)
             if hasattr(err, "add_note"):  # Python >= 3.11: shown under the traceback
                 err.add_note(f"vertexrt: raised on {where}")
@@ -172,11 +214,26 @@ def _run(
                 PREEMPTED_EXIT_CODE,
             )
             raise Preempted()
+        if notice.requested:  # SIGTERM arrived and the function returned anyway: not a success
+            if notice.unpolled:
+                _warn_unpolled_at_exit(
+                    notice.arrived_at,
+                    f"returned; exiting {PREEMPTED_EXIT_CODE} (not 0) so Vertex restarts the replica",
+                )
+            else:
+                logger.warning(
+                    "a preemption notice (SIGTERM) arrived and the training function returned: exiting %d "
+                    "so the replica restarts and resumes",
+                    PREEMPTED_EXIT_CODE,
+                )
+            raise Preempted()
         if ctx.is_chief and ctx.env.on_vertex:
-            _warn_if_nothing_exported(ctx.env.model_dir)
+            _warn_if_nothing_exported(ctx.env.model_dir, trial=ctx.env.trial_id)
         logger.info("done; model dir %s", ctx.env.model_dir)
         return cast(R, result)
     finally:
+        if watch is not None:
+            watch.stop()
         try:
             ctx.close(drain=not failed)
             if owns_process_group and not failed:
@@ -197,8 +254,64 @@ def _setup_logging(ctx: Context, level: int | str, all_ranks: bool) -> Callable[
     )
 
 
-def _warn_if_nothing_exported(model_dir: str) -> None:
-    """A job whose model dir stays empty usually saved its model on the container's disk, which is lost."""
+_NEVER_POLLED = (
+    "the training function never checked ctx.should_stop() (nor CheckpointManager.preemption_requested())"
+)
+_HOW_TO_FIX = (
+    "check ctx.should_stop() after every step and, when it is True, save a checkpoint and return "
+    "(vertexrt.Trainer does this)"
+)
+
+
+def _warn_unpolled_now(waited: float) -> None:
+    logger.warning(
+        "SIGTERM (the preemption notice) arrived %.0f s ago and %s: nothing is being saved, and Vertex kills "
+        "the replica ~15 s after the notice; %s",
+        waited,
+        _NEVER_POLLED,
+        _HOW_TO_FIX,
+    )
+
+
+def _warn_unpolled_at_exit(arrived_at: float | None, outcome: str) -> None:
+    when = time.strftime("%H:%M:%S", time.localtime(arrived_at)) if arrived_at is not None else "?"
+    logger.warning(
+        "SIGTERM arrived at %s and %s: nothing was saved at the notice. The function %s; the replica resumes "
+        "from its last checkpoint. To lose nothing, %s",
+        when,
+        _NEVER_POLLED,
+        outcome,
+        _HOW_TO_FIX,
+    )
+
+
+def _log_contract_warnings(ctx: Context) -> None:
+    """The checks of ``vertexrt info`` (output directories, project), as warnings, on Vertex only."""
+    if not ctx.env.on_vertex:
+        return
+    from vertexrt.diagnostics import contract_warnings
+
+    for warning in contract_warnings():
+        logger.warning("vertexrt: %s", warning)
+
+
+def _preflight(ctx: Context) -> None:
+    """``vertexrt.doctor.preflight``; a fatal finding is logged once, with its fix, and exits 1."""
+    from vertexrt import doctor
+    from vertexrt.errors import PreflightError
+
+    try:
+        doctor.preflight(ctx.env, ctx.cluster)
+    except PreflightError as err:
+        logger.error("replica %s (rank %d of %d): %s", ctx.replica, ctx.rank, ctx.world_size, err)
+        raise SystemExit(1) from err
+
+
+def _warn_if_nothing_exported(model_dir: str, *, trial: str | None = None) -> None:
+    """A job whose model dir stays empty usually saved its model on the container's disk, which is lost.
+
+    A hyperparameter-tuning trial (``trial``) often saves no model on purpose: then it is an INFO line.
+    """
     from vertexrt import paths
 
     try:
@@ -208,7 +321,8 @@ def _warn_if_nothing_exported(model_dir: str) -> None:
         logger.debug("could not list %s: %s", model_dir, err)
         return
     if empty:
-        logger.warning(
+        logger.log(
+            logging.INFO if trial else logging.WARNING,
             "nothing was written to the model directory %s (AIP_MODEL_DIR): files saved elsewhere in the "
             "container are lost when the job ends; write the model there (Trainer.export gets this path)",
             model_dir,
@@ -225,7 +339,7 @@ def _json_logs(ctx: Context) -> bool:
     return ctx.env.on_vertex and not os.environ.get("VERTEXRT_LOCAL_RUN")
 
 
-def _init_framework(ctx: Context) -> bool:
+def _init_framework(ctx: Context, tf_options: dict[str, Any]) -> bool:
     """Set up distributed training and the device; return True when a torch process group was created."""
     if ctx.framework == "torch":
         import torch.distributed as dist
@@ -240,7 +354,10 @@ def _init_framework(ctx: Context) -> bool:
     if ctx.framework == "tf":
         from vertexrt.distributed import setup_tensorflow
 
-        ctx.strategy = setup_tensorflow()
+        ctx.strategy = setup_tensorflow(**tf_options)
+        from vertexrt.runtime.profiling import start_tf_profiler_server
+
+        start_tf_profiler_server()  # on AIP_TF_PROFILER_PORT when Vertex asks for it
     return False
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,8 @@ class Progress:
         bar: ``True`` for a tqdm bar, ``False`` for log lines, ``None`` for a bar only when stderr is a
             terminal and tqdm is installed.
         enabled: ``False`` on non-chief ranks (nothing is printed, rates are still kept).
+        on_log: called as ``on_log(step, {name: float})`` with the metrics of each line shown (e.g. to
+            write them to TensorBoard): device values are read only at these intervals.
     """
 
     def __init__(
@@ -48,11 +50,14 @@ class Progress:
         interval: float = 30.0,
         bar: bool | None = None,
         enabled: bool = True,
+        on_log: Callable[[int, dict[str, float]], None] | None = None,
     ) -> None:
         self.total_steps = total_steps
         self.interval = interval
         self.step = start_step
         self._enabled = enabled
+        self._on_log = on_log
+        self._logged_step: int | None = None
         self._start_step = start_step
         self._samples = 0
         self._metrics: Mapping[str, Any] | None = None
@@ -104,18 +109,22 @@ class Progress:
             text += f" ETA {format_eta(r['eta_s'])}"
         return f"{text} {self._metrics_text()}".rstrip()
 
-    def _metrics_text(self) -> str:
-        shown = []
+    def _metric_values(self) -> dict[str, float]:
+        values = {}
         for name, value in (self._metrics or {}).items():
             try:
-                shown.append(f"{name}={float(value):.4g}")
+                values[name] = float(value)
             except (TypeError, ValueError):
                 continue
-        return " ".join(shown)
+        return values
+
+    def _metrics_text(self) -> str:
+        return " ".join(f"{name}={value:.4g}" for name, value in self._metric_values().items())
 
     def _emit(self, now: float) -> None:
         if not self._enabled:
             return
+        self._log_metrics()
         if self._bar is not None:
             r = self.rates()
             self._bar.set_postfix_str(
@@ -124,8 +133,15 @@ class Progress:
         else:
             logger.info(self.line())
 
+    def _log_metrics(self) -> None:
+        if self._on_log is not None and self._metrics is not None and self._logged_step != self.step:
+            self._logged_step = self.step
+            self._on_log(self.step, self._metric_values())
+
     def close(self) -> None:
         """Close the bar, or log a last line."""
+        if self._enabled:
+            self._log_metrics()
         if self._bar is not None:
             self._bar.close()
             self._bar = None

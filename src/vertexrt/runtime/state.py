@@ -69,6 +69,29 @@ def is_generator(value: Any) -> bool:
     return qualname in ("numpy.random._generator.Generator", "torch._C.Generator", "torch.Generator")
 
 
+#: How deep a JSON-able attribute may nest (deeper values are not saved).
+MAX_JSON_DEPTH = 32
+
+
+def is_json_value(value: Any, depth: int = 0) -> bool:
+    """True for ``None``, bools, ints, floats, strings, and lists/tuples/str-keyed dicts of them.
+
+    Example:
+        >>> is_json_value({"losses": [0.5, 0.25], "epoch": 3}), is_json_value(object())
+        (True, False)
+    """
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return True
+    if depth >= MAX_JSON_DEPTH:
+        return False
+    if kind in (list, tuple):
+        return all(is_json_value(item, depth + 1) for item in value)
+    if kind is dict:
+        return all(type(k) is str and is_json_value(v, depth + 1) for k, v in value.items())
+    return False
+
+
 def as_stateful(value: Any) -> Stateful | None:
     """``value`` itself if it is ``Stateful``, a ``GeneratorState`` for a generator, else ``None``."""
     if isinstance(value, type):

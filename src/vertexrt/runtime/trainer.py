@@ -1,15 +1,43 @@
 """``Trainer``: an ordinary training loop that resumes, checkpoints, evaluates, reports and exports.
 
 Override ``setup()`` (build the model, optimizer and ``self.train_data``), ``train_step(batch)``, and
-optionally ``evaluate()`` and ``export(model_dir)``. Attributes holding modules, optimizers, schedulers,
-data readers (anything with ``state_dict``) and random generators are checkpointed automatically; list
-an attribute in ``untracked`` to leave it out (e.g. an evaluation reader that should start over).
+optionally ``evaluate()`` and ``export(model_dir)``. What a checkpoint holds:
+
+- attributes holding modules, optimizers, schedulers, data readers (anything with ``state_dict``) and
+  random generators, wherever they are assigned;
+- JSON-able attributes (``None``, bools, numbers, strings, lists/tuples/dicts of them) first assigned in
+  ``setup()`` or later (per-epoch accumulators, counters), each rank its own; ones assigned in
+  ``__init__`` are configuration, rebuilt by the restarted job (``self.track("name")`` saves one anyway);
+- not: other objects (file handles, tensors held bare), names starting with ``_``, names in ``untracked``
+  (e.g. an evaluation reader that should start over).
+
+With several replicas (``world_size > 1``) each module attribute with trainable parameters that is not
+already ``DistributedDataParallel``/FSDP and holds no DTensors is wrapped in ``DistributedDataParallel``
+after ``setup()``, so gradients are averaged across replicas (``ddp=False`` leaves modules as they are).
+Checkpoints hold the unwrapped module's keys (single- and multi-replica checkpoints interchange) and
+``export()`` sees the unwrapped modules.
+
+When a module (or a submodule) holds DTensor parameters (FSDP2 ``fully_shard``, tensor parallel), every
+rank checkpoints through torch.distributed.checkpoint: each rank's shards of the modules and their
+optimizers, the loop position, and each rank's own state (RNG, read position, attributes) under its rank.
+A restore onto another world size reshards modules and optimizers and keeps the loop position; per-rank
+state starts fresh there, with a warning naming it (see ``vertexrt.runtime.trainer_sharded``).
+Such a module must hold no plain trainable parameter (``fully_shard`` on its layers but not on the root, a
+norm left out of a tensor-parallel plan): nothing would average its gradients and the ranks' copies would
+drift apart silently, so that is a ConfigError at setup naming the parameters (``ddp=False`` skips the check).
 
 ``fit()`` restores the newest valid checkpoint (weights, optimizer, step and epoch, this rank's RNG and
 read position), loops, saves by the checkpoint manager's policy, evaluates (each epoch, or every
-``eval_every`` steps) and reports the metrics to hypertune, shows progress, checks for preemption after
+``eval_every`` steps) and reports the metrics to hypertune, writes the progress-line metrics and the
+evaluation metrics to TensorBoard (``AIP_TENSORBOARD_LOG_DIR``, chief only), checks for preemption after
 every step and inside evaluation (``self.interruptible``), saves a final checkpoint, and exports to
-``AIP_MODEL_DIR`` from the chief only.
+``AIP_MODEL_DIR`` from the chief only. Off Vertex, resuming an earlier run's checkpoint (in
+``$VERTEXRT_LOCAL_DIR`` or ``./vertexrt_output/local/``) is logged as a WARNING naming the directory.
+
+Evaluation runs on every rank, usually over its shard; the metrics are averaged across ranks, weighted by
+a count, before they are logged, reported to hypertune, saved with the checkpoint (``KeepBest``) and
+returned: ``evaluate()`` may return ``{"accuracy": (value, count)}`` (e.g. the examples it scored); a
+plain value is weighted by the batches it iterated through ``self.interruptible(...)`` (1 if none).
 
 The read position is exact when ``train_data`` is a vertexrt reader, a ``vertexrt.data.DataLoader``
 (any ``num_workers``) or a torch DataLoader over ``reader.as_torch()`` without worker processes; otherwise
@@ -32,19 +60,21 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import math
 import threading
 import types
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from vertexrt.errors import ConfigError
+from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.entry import Preempted
 from vertexrt.runtime.progress import Progress
-from vertexrt.runtime.state import GeneratorState, StateTracker, as_stateful
+from vertexrt.runtime.state import GeneratorState, StateTracker, as_stateful, is_json_value
 
 if TYPE_CHECKING:
     from vertexrt.checkpoint import CheckpointManager
@@ -74,6 +104,21 @@ class LoopState:
                 setattr(self, f.name, state[f.name])
 
 
+class _LocalState:
+    """The loop position plus the trainer's plain (JSON-able) attributes, read at save time."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.trainer._loop.state_dict(), "attributes": self.trainer._attribute_values()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.trainer._loop.load_state_dict(state)
+        for name, value in (state.get("attributes") or {}).items():
+            setattr(self.trainer, name, value)
+
+
 class Trainer(StateTracker):
     """Base class of a resumable training loop; see the module docstring.
 
@@ -86,6 +131,10 @@ class Trainer(StateTracker):
         checkpoints: a checkpoint manager (its policies decide when to save); default ``ctx.checkpoints``.
         progress_interval: seconds between progress lines.
         progress_bar: tqdm bar (``True``), log lines (``False``), or a bar when interactive (``None``).
+        ddp: with several replicas, wrap unsynchronised trainable modules in ``DistributedDataParallel``.
+        tensorboard: write metrics to ``AIP_TENSORBOARD_LOG_DIR`` from the chief (needs the tensorboard
+            package; without it this is skipped with an INFO line).
+        preflight: run ``vertexrt.doctor.preflight`` at the start of ``fit()`` unless ``@main`` already did.
     """
 
     def __init__(
@@ -98,6 +147,9 @@ class Trainer(StateTracker):
         checkpoints: CheckpointManager | None = None,
         progress_interval: float = 30.0,
         progress_bar: bool | None = None,
+        ddp: bool = True,
+        tensorboard: bool = True,
+        preflight: bool = True,
     ) -> None:
         if max_epochs < 1 and max_steps is None:
             raise ConfigError(f"Trainer(max_epochs={max_epochs}): give max_epochs >= 1 or max_steps")
@@ -111,8 +163,18 @@ class Trainer(StateTracker):
         self.eval_every = eval_every
         self.progress_interval = progress_interval
         self.progress_bar = progress_bar
+        self.ddp = ddp
+        self.tensorboard = tensorboard
+        self.preflight = preflight
         self._loop = LoopState()
         self._saved: dict[str, Any] | None = None  # the loop position of the last checkpoint
+        self._tracked_names: set[str] = set()  # names given to track()
+        self._config_names: set[str] | None = None  # attributes set before fit(): configuration
+        self._wrapped: dict[str, Any] = {}  # attribute -> the module the Trainer wrapped in DDP
+        self._eval_batches: int | None = None  # batches through interruptible() in this evaluate()
+        self._tb: Any = None
+        self._layout: Any = None  # a ShardedLayout when modules hold DTensors (FSDP2 / tensor parallel)
+        self._replay = False  # the read position was not restored: replay the epoch and skip
 
     # ---- what the user overrides -------------------------------------------------------------------
 
@@ -123,17 +185,23 @@ class Trainer(StateTracker):
         """Train on one batch; return metrics to show in progress lines (e.g. ``{"loss": loss}``)."""
         raise NotImplementedError(f"{type(self).__name__}.train_step(batch) is not implemented")
 
-    def evaluate(self) -> Mapping[str, float]:
-        """Evaluate the model; the metrics returned are logged and reported to hypertune.
+    def evaluate(self) -> Mapping[str, Any]:
+        """Evaluate the model; the metrics are averaged across ranks, logged and reported to hypertune.
 
+        Return ``{"name": value}`` or ``{"name": (value, count)}``: the value of each rank is weighted by
+        its count (e.g. examples scored), by default the batches iterated with ``self.interruptible``.
         Iterate with ``self.interruptible(batches)`` so a preemption during evaluation is honoured.
         Runs on every rank: a collective check happens after each batch.
         """
         return {}
 
     def export(self, model_dir: str) -> None:
-        """Write the final model to ``model_dir`` (``AIP_MODEL_DIR``); called on the chief only."""
-        logger.warning("%s.export(model_dir) is not overridden: no model written", type(self).__name__)
+        """Write the final model to ``model_dir`` (``AIP_MODEL_DIR``); called on the chief only.
+
+        Modules the Trainer wrapped in ``DistributedDataParallel`` are unwrapped during this call.
+        """
+        level = logging.INFO if self.ctx.env.trial_id else logging.WARNING  # a tuning trial may save none
+        logger.log(level, "%s.export(model_dir) is not overridden: no model written", type(self).__name__)
 
     def batch_size(self, batch: Any) -> int:
         """Examples in ``batch`` (for samples/s): the leading dimension of the first array-like leaf."""
@@ -156,6 +224,15 @@ class Trainer(StateTracker):
         """The checkpoint manager the loop saves with."""
         return self.ctx.checkpoints
 
+    def track(self, *names: str) -> None:
+        """Save these JSON-able attributes with the checkpoint even though ``__init__`` assigns them.
+
+        Example:
+            >>> self.best_accuracy = 0.0   # in __init__  # doctest: +SKIP
+            >>> self.track("best_accuracy")  # doctest: +SKIP
+        """
+        self._tracked_names.update(names)
+
     def state(self) -> dict[str, Any]:
         """The checkpointed tree: ``{"replicated": {...}, "local": {...}}``.
 
@@ -166,8 +243,8 @@ class Trainer(StateTracker):
         from vertexrt.checkpoint import rng_state
 
         replicated: dict[str, Any] = {}
-        local: dict[str, Any] = {"_loop": self._loop, "_rng": rng_state()}  # tracked names never start with _
-        tracked = self.app_state()
+        local: dict[str, Any] = {"_loop": _LocalState(self), "_rng": rng_state()}  # tracked names lack _
+        tracked = {name: _unwrap(value) for name, value in self.app_state().items()}
         for name, value in tracked.items():
             (local if _is_per_rank(value) else replicated)[name] = value
         data = _cursor_of(getattr(self, "train_data", None))
@@ -180,9 +257,16 @@ class Trainer(StateTracker):
         return self.ctx.should_stop()
 
     def interruptible(self, batches: Iterable[T]) -> Iterator[T]:
-        """Yield ``batches``, checking for preemption after each; on a notice, save and exit 143."""
+        """Yield ``batches``, checking for preemption after each; on a notice, save and exit 143.
+
+        Each batch also counts as progress for the hang watchdog (a long evaluation is not a hang).
+        """
+        beat = self.ctx.watchdog.beat
         for batch in batches:
+            if self._eval_batches is not None:
+                self._eval_batches += 1
             yield batch
+            beat()
             if self.should_stop():
                 self._save_and_exit()
 
@@ -191,13 +275,27 @@ class Trainer(StateTracker):
     def fit(self) -> dict[str, float]:
         """Train to the end (or until preempted); return the last evaluation metrics.
 
-        Without ``@vertexrt.main`` it installs the SIGTERM handler itself for the duration of the call.
+        Without ``@vertexrt.main`` it installs the SIGTERM handler itself for the duration of the call and
+        runs the preflight checks first (``preflight=False`` skips them).
+
+        Raises:
+            PreflightError: the preflight checks found a problem that would stop the job.
         """
+        if self.preflight and not self.ctx._preflighted:
+            from vertexrt import doctor
+
+            doctor.preflight(self.ctx.env, self.ctx.cluster)
+            self.ctx._preflighted = True
+        if self._config_names is None:
+            self._config_names = {name for name in vars(self) if not name.startswith("_")}
         main_thread = threading.current_thread() is threading.main_thread()
         installed = main_thread and self.ctx.install_preemption_handler()
         try:
             return self._fit()
         finally:
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
             if installed:
                 self.ctx.uninstall_preemption_handler()
 
@@ -211,18 +309,28 @@ class Trainer(StateTracker):
                 "checkpoints and preemption: use @vertexrt.main(framework='torch') or call "
                 "vertexrt.init_torch() first (for TensorFlow use the vertexrt.keras callbacks)"
             )
+        self._tb = self._open_tensorboard()  # before setup(): its imports happen before the user seeds
         self.setup()
         data = self._train_data()
+        self._check_equalized(data)
+        if self._sharded and self.ddp:
+            self._wrap_modules()
         full = self.state()
-        self._tree = full if self.ctx.rank == 0 else {"local": full["local"]}
+        self._layout = self._sharded_layout(full)
+        if self._layout is not None:  # every rank saves its shards and its own state through DCP
+            self._tree = self._layout.tree
+        else:
+            self._tree = full if self.ctx.rank == 0 else {"local": full["local"]}
         self._restore_target = full
         self._restore()
+        self.ctx.watchdog.beat(self.step)  # from here on, a step that never ends is a hang
         progress = Progress(
             total_steps=self._total_steps(data),
             start_step=self.step,
             interval=self.progress_interval,
             bar=self.progress_bar,
             enabled=self.ctx.is_chief,
+            on_log=self._write_train_scalars if self._tb is not None else None,
         )
         try:
             if self._loop.eval_pending:
@@ -236,9 +344,11 @@ class Trainer(StateTracker):
         if self._saved is None or self._saved["step"] != self.step:  # a step is written once
             self._save(force=True)
         self.checkpoints.wait()
+        self.ctx.watchdog.stop()  # an export may take long without a step
         if self.ctx.is_chief:
             logger.info("exporting the model to %s", self.ctx.env.model_dir)
-            self.export(self.ctx.env.model_dir)
+            with self._unwrapped():
+                self.export(self.ctx.env.model_dir)
         return dict(self._loop.eval_metrics)
 
     def has_evaluate(self) -> bool:
@@ -254,15 +364,119 @@ class Trainer(StateTracker):
             )
         return data  # type: ignore[no-any-return]
 
+    def _check_equalized(self, data: Any) -> None:
+        """With several replicas every rank must yield the same number of batches, or a collective hangs."""
+        if self.ctx.world_size == 1:
+            return
+        for reader in (data, getattr(data, "dataset", None)):
+            if reader is not None and not getattr(reader, "equalized", True):
+                raise ConfigError(
+                    f"{type(self).__name__}.train_data yields a different number of batches on each of the "
+                    f"{self.ctx.world_size} replicas, so one would wait forever in a collective the others "
+                    "never reach: open it with vertexrt.data.open_dataset(..., equalize='drop_remainder') "
+                    "(or equalize='pad')"
+                )
+
+    def _wrap_modules(self) -> None:
+        """Wrap each trainable module attribute that does not synchronise gradients in DDP."""
+        import torch
+
+        from vertexrt.checkpoint.dcp import holds_dtensors
+
+        modules = {
+            name: value
+            for name, value in vars(self).items()
+            if not name.startswith("_")
+            and name not in self.untracked
+            and isinstance(value, torch.nn.Module)
+            and not _synchronised(value)
+            and any(p.requires_grad for p in value.parameters())
+        }
+        for name, module in list(modules.items()):
+            if holds_dtensors(module):  # sharded (FSDP2 / tensor parallel): DTensors synchronise themselves
+                _check_no_plain_parameters(name, module)
+                del modules[name]
+        inner = {id(sub) for m in modules.values() for sub in itertools.islice(m.modules(), 1, None)}
+        for name, module in modules.items():
+            if id(module) in inner:  # a part of another module that is wrapped
+                continue
+            device = next(module.parameters()).device
+            ids = [device.index] if device.type == "cuda" else None
+            setattr(self, name, torch.nn.parallel.DistributedDataParallel(module, device_ids=ids))
+            self._wrapped[name] = module
+        if self._wrapped:
+            logger.info(
+                "wrapped %s in DistributedDataParallel for %d replicas (Trainer(ddp=False) leaves modules as "
+                "they are)",
+                ", ".join(f"self.{name}" for name in self._wrapped),
+                self.ctx.world_size,
+            )
+
+    def _sharded_layout(self, full: dict[str, Any]) -> Any:
+        """The DCP layout of the state when a module or optimizer holds DTensors, else None."""
+        from vertexrt.checkpoint.dcp import holds_dtensors
+
+        if not holds_dtensors(full["replicated"]):
+            return None
+        from vertexrt.runtime.trainer_sharded import ShardedLayout
+
+        ctx, pickle = self.ctx, bool(getattr(self.checkpoints, "allow_pickle", False))
+        return ShardedLayout(full, self._loop, rank=ctx.rank, world_size=ctx.world_size, allow_pickle=pickle)
+
+    @contextlib.contextmanager
+    def _unwrapped(self) -> Iterator[None]:
+        """The modules the Trainer wrapped, bare, for the duration of the block."""
+        wrappers = {name: getattr(self, name) for name in self._wrapped}
+        for name, module in self._wrapped.items():
+            setattr(self, name, module)
+        try:
+            yield
+        finally:
+            for name, wrapper in wrappers.items():
+                setattr(self, name, wrapper)
+
+    def _attribute_values(self) -> dict[str, Any]:
+        """The plain attributes saved with this rank's checkpoint (see the module docstring)."""
+        config, tracked = self._config_names or set(), self.app_state()
+        values = {}
+        for name, value in vars(self).items():
+            if name.startswith("_") or name in self.untracked or name in tracked or name == "train_data":
+                continue
+            if (name not in config or name in self._tracked_names) and is_json_value(value):
+                values[name] = value
+        return values
+
+    def _open_tensorboard(self) -> Any:
+        if not (self.tensorboard and self.ctx.is_chief):
+            return None
+        from vertexrt import tensorboard
+
+        try:
+            return tensorboard.writer(self.ctx.env.tensorboard_log_dir, chief_only=False)
+        except ConfigError as err:
+            logger.info("no TensorBoard events written: %s", err)
+            return None
+
+    def _write_train_scalars(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._tb is not None:
+            self._tb.scalars({f"train/{name}": value for name, value in metrics.items()}, step)
+
     def _restore(self) -> None:
-        from vertexrt.checkpoint.collective import any_rank, broadcast, torch_dist
+        from vertexrt.checkpoint.collective import all_max, broadcast, torch_dist
 
         manager, dist = self.checkpoints, torch_dist()
         newest_first = broadcast(manager.all_steps()[::-1] if self.ctx.rank == 0 else None, dist)
         for step in newest_first:  # every rank tries the same step; all move on if any rank fails it
-            failed = not self._restore_step(step)
-            if not any_rank(failed, dist):
+            error = self._restore_step(step)
+            [worst] = all_max([_outcome(error)], dist)
+            if worst == _RESTORED:
                 break
+            if worst == _FAILED:  # not a damaged step: falling back to an older one would lose progress
+                raise CheckpointError(
+                    f"restoring checkpoint step {step} from {manager.directory} failed"
+                    + (f": {error}" if error else " on another rank (its log says why)")
+                    + "; fix the cause (storage access, permissions) and restart the job"
+                ) from error
             logger.warning("checkpoint step %d is unusable on some rank: trying the previous one", step)
         else:
             what = "no usable checkpoint" if newest_first else "no checkpoint"
@@ -276,22 +490,39 @@ class Trainer(StateTracker):
             self._loop.batch_in_epoch,
             manager.directory,
         )
+        if not self.ctx.env.on_vertex and self.ctx.is_chief:
+            logger.warning(
+                "resuming from %s (step %d), a checkpoint an earlier run left there: to start fresh, set "
+                "VERTEXRT_LOCAL_DIR to a new directory (or delete this one)",
+                manager.directory,
+                self.step,
+            )
 
-    def _restore_step(self, step: int) -> bool:
-        """Load ``step`` into the tracked state; False (with a warning) when it fails verification."""
-        from vertexrt.checkpoint import CheckpointCorruptError
+    def _restore_step(self, step: int) -> Exception | None:
+        """Load ``step`` into the tracked state; the error when it failed (a corrupt step is warned about).
 
+        Every error is returned, not raised, so that every rank reaches the agreement that follows.
+        """
         manager, rank, tree = self.checkpoints, self.ctx.rank, self._restore_target
         try:
-            if not self._sharded or rank == 0:
+            if self._layout is not None:
+                if not self._layout.restore(manager, step):
+                    self._replay = self._loop.batch_in_epoch > 0
+                    if self.ctx.is_chief:
+                        attributes = sorted(self._attribute_values())
+                        logger.warning("%s", self._layout.not_carried(self._loop, attributes))
+            elif not self._sharded or rank == 0:
                 manager.restore(tree, step=step, shard=0 if self._sharded else None)
             else:
                 manager.restore({"replicated": tree["replicated"]}, step=step, shard=0)
                 manager.restore({"local": tree["local"]}, step=step, shard=rank)
         except CheckpointCorruptError as err:
             logger.warning("skipping checkpoint step %d: %s", step, err)
-            return False
-        return True
+            return err
+        except Exception as err:
+            logger.error("restoring checkpoint step %d failed: %s: %s", step, type(err).__name__, err)
+            return err
+        return None
 
     def _finished(self) -> bool:
         if self.max_steps is not None and self.step >= self.max_steps:
@@ -311,48 +542,82 @@ class Trainer(StateTracker):
         skip = 0
         if loop.batch_in_epoch == 0:
             _set_epoch(data, loop.epoch)
-        elif _cursor_of(data) is None:
+        elif _cursor_of(data) is None or self._replay:
+            why = (
+                "was saved by another number of ranks" if self._replay else "has no read position to restore"
+            )
+            self._replay = False
             skip = loop.batch_in_epoch  # no reader state: replay the epoch's order and drop what was seen
             _set_epoch(data, loop.epoch)
-            logger.warning("train_data has no read position to restore: skipping %d batches to resume", skip)
+            logger.warning("train_data %s: skipping %d batches to resume", why, skip)
         # Per-step work stays small: names bound once, one policy question and one preemption check.
+        # A step that is evaluated is evaluated before the save question, so its checkpoint has its metrics.
         eval_every, max_steps, world = self.eval_every, self.max_steps, self.ctx.world_size
+        last_in_epoch = _length(data) if eval_every is None and self.has_evaluate() else None
         train_step, batch_size, should_stop = self.train_step, self.batch_size, self.should_stop
         save, tree, shard = self.checkpoints.save, self._tree, self.ctx.rank if self._sharded else None
+        beat = self.ctx.watchdog.beat
         for batch in _iterate(data, keep_rng=loop.batch_in_epoch > 0):
             if skip:
                 skip -= 1
                 continue
             metrics = train_step(batch)
             loop.step += 1
+            beat(loop.step)
             loop.batch_in_epoch += 1
             progress.update(loop.step, batch_size(batch) * world, metrics)  # all ranks' samples
             if should_stop():
                 self._save_and_exit()
             if max_steps is not None and loop.step >= max_steps:
                 return
+            if (
+                eval_every is not None and loop.step % eval_every == 0
+            ) or loop.batch_in_epoch == last_in_epoch:
+                self._evaluate()
             if save(loop.step, tree, loop.eval_metrics, shard=shard):  # when the save policy says so
                 self._saved = loop.state_dict()
-            if eval_every is not None and loop.step % eval_every == 0:
-                self._evaluate()
         steps_in_epoch = loop.batch_in_epoch
         loop.epoch += 1
         loop.batch_in_epoch = 0
         if progress.total_steps is None and self.max_steps is None:
             progress.set_total(self.max_epochs * steps_in_epoch)
-        if eval_every is None and self.has_evaluate():
+        if eval_every is None and self.has_evaluate() and loop.last_eval_step != loop.step:
             self._evaluate()
 
     def _evaluate(self) -> None:
         if not self.has_evaluate():
             return
         self._loop.eval_pending = True  # saved only if preempted inside evaluate(): redone on resume
-        metrics = {name: float(value) for name, value in self.evaluate().items()}
+        self._eval_batches = 0
+        self.ctx.watchdog.beat()
+        try:
+            returned = self.evaluate()
+            counted = self._eval_batches
+        finally:
+            self._eval_batches = None
+        self.ctx.watchdog.beat()
+        metrics = self._average(_weighted(returned, counted or 1))
         self._loop.eval_pending = False
         self._loop.last_eval_step = self.step
         self._loop.eval_metrics = metrics
         if metrics:
             self.ctx.metrics.report(metrics, step=self.step)
+            if self._tb is not None:
+                self._tb.scalars({f"eval/{name}": value for name, value in metrics.items()}, self.step)
+
+    def _average(self, weighted: dict[str, tuple[float, float]]) -> dict[str, float]:
+        """The count-weighted mean of each metric over all ranks (one all-gather with several replicas)."""
+        from vertexrt.checkpoint.collective import all_gather, torch_dist
+
+        everyone = all_gather(weighted, torch_dist() if self._sharded else None)
+        totals: dict[str, list[float]] = {}
+        for rank_metrics in everyone:
+            for name, (value, count) in rank_metrics.items():
+                total = totals.setdefault(name, [0.0, 0.0])
+                if count > 0:
+                    total[0] += value * count
+                    total[1] += count
+        return {name: s / c if c > 0 else math.nan for name, (s, c) in totals.items()}
 
     def _save(self, *, force: bool) -> None:
         shard = self.ctx.rank if self._sharded else None
@@ -360,11 +625,79 @@ class Trainer(StateTracker):
             self._saved = self._loop.state_dict()
 
     def _save_and_exit(self) -> None:
-        logger.warning("preemption notice: saving the checkpoint of step %d", self.step)
-        if self._saved != self._loop.state_dict():  # e.g. preempted in evaluate(): record it to redo it
+        saved = self._saved
+        if saved is not None and saved["step"] == self.step:
+            # A step is committed once. Preempted in an evaluation that followed its save: the resumed run
+            # redoes the evaluation, as this step's last_eval_step says it was not done.
+            logger.warning("preemption notice: step %d is already saved; exiting", self.step)
+        else:  # e.g. preempted in evaluate(): eval_pending is saved, so the resumed run redoes it
+            logger.warning("preemption notice: saving the checkpoint of step %d", self.step)
             self._save(force=True)
         self.checkpoints.wait()
         raise Preempted(self.step)
+
+
+def _weighted(metrics: Mapping[str, Any], default_count: int) -> dict[str, tuple[float, float]]:
+    """``{name: (value, count)}`` from what ``evaluate()`` returned."""
+    weighted = {}
+    for name, given in metrics.items():
+        if isinstance(given, tuple):
+            if len(given) != 2:
+                raise ConfigError(
+                    f"evaluate() returned {name!r}: {given!r}; give a number or a (value, count) pair"
+                )
+            value, count = given
+        else:
+            value, count = given, default_count
+        if float(count) < 0:
+            raise ConfigError(f"evaluate() returned {name!r} with count {count!r}; a count must be >= 0")
+        weighted[name] = (float(value), float(count))
+    return weighted
+
+
+def _check_no_plain_parameters(name: str, module: Any) -> None:
+    """A module holding DTensors must hold nothing else trainable: no DDP can wrap it, and nothing would
+    average a plain parameter's gradients, so the replicas' copies would silently drift apart.
+
+    Under tensor parallelism alone a plain parameter is a bug too: a replicated one is a DTensor with a
+    ``Replicate()`` placement, whose gradient DTensor reduces where the placements call for it and which DCP
+    saves as one replicated value; a plain tensor gets neither (each rank's copy is its own).
+    """
+    from torch.distributed.tensor import DTensor
+
+    plain = [p for p, v in module.named_parameters() if v.requires_grad and not isinstance(v, DTensor)]
+    if not plain:
+        return
+    shown = ", ".join(f"self.{name}.{p}" for p in plain[:8]) + (
+        f" and {len(plain) - 8} more" if len(plain) > 8 else ""
+    )
+    fsdp = any(_synchronised(sub) for sub in module.modules())
+    fix = (
+        f"also call fully_shard(self.{name}) on the root module after fully_shard on its layers"
+        if fsdp
+        else "make them Replicate() DTensors too: distribute_module(<submodule>, mesh, input_fn=...) with an "
+        "input_fn that turns its inputs into DTensors, or parallelize_module(..., {'<submodule>': "
+        "SequenceParallel()}) for a norm over sequence-sharded activations"
+    )
+    kind = "FSDP2" if fsdp else "tensor parallel"
+    raise ConfigError(
+        f"self.{name} holds DTensor parameters ({kind}) and plain trainable "
+        f"parameters ({shown}) whose gradients nothing averages across the ranks, so they would "
+        f"diverge: {fix} (or Trainer(ddp=False) if the step synchronises them itself)"
+    )
+
+
+def _synchronised(module: Any) -> bool:
+    """True for DistributedDataParallel and FSDP (1 and 2) modules: they average gradients themselves."""
+    names = {"DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule"}
+    return any(cls.__name__ in names for cls in type(module).__mro__)
+
+
+def _unwrap(value: Any) -> Any:
+    """The module inside a DistributedDataParallel wrapper (its state_dict keys lack ``module.``)."""
+    if type(value).__name__ == "DistributedDataParallel":
+        return value.module
+    return value
 
 
 def _iterate(data: Iterable[T], *, keep_rng: bool) -> Iterator[T]:
@@ -386,6 +719,14 @@ def _iterate(data: Iterable[T], *, keep_rng: bool) -> Iterator[T]:
     started = list(itertools.islice(batches, 1)) if lazy else []
     rng.load_state_dict(before)
     return itertools.chain(started, batches) if lazy else batches
+
+
+def _length(data: Any) -> int | None:
+    """Batches per epoch when ``data`` knows it (``len``), else None (e.g. a streaming reader)."""
+    try:
+        return len(data)
+    except (TypeError, NotImplementedError):
+        return None
 
 
 def _set_epoch(data: Any, epoch: int) -> None:
@@ -429,3 +770,12 @@ def _leading_size(batch: Any) -> int:
             return _leading_size(batch[0])
         return len(batch)
     return 1
+
+
+_RESTORED, _DAMAGED, _FAILED = 0, 1, 2  # a restore attempt, ordered so that the worst rank's wins
+
+
+def _outcome(error: Exception | None) -> int:
+    if error is None:
+        return _RESTORED
+    return _DAMAGED if isinstance(error, CheckpointCorruptError) else _FAILED

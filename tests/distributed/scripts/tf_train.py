@@ -13,7 +13,11 @@ from vertexrt.errors import ConfigError  # noqa: E402
 if mode == "hang_chief":
     if cluster().role != "chief":
         sys.exit(0)  # the chief's peer never comes: it blocks in the strategy constructor
+    import logging
+
     import tensorflow  # noqa: F401  # imported first, so only the strategy constructor remains
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # as under @vertexrt.main
 
     print("entering the strategy constructor", flush=True)  # it holds the GIL while it waits
     setup_tensorflow(legacy_keras=False)

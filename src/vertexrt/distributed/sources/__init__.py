@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vertexrt.distributed.sources.base import ClusterSource
-from vertexrt.distributed.sources.cluster_spec import ClusterSpecSource, ClusterSpecWarning
+from vertexrt.distributed.sources.cluster_spec import ClusterSpecSource
 from vertexrt.distributed.sources.local import LocalSource
 from vertexrt.distributed.sources.master import MasterSource
 from vertexrt.distributed.sources.tf_config import TFConfigSource
@@ -22,7 +22,6 @@ __all__ = [
     "SOURCES",
     "ClusterSource",
     "ClusterSpecSource",
-    "ClusterSpecWarning",
     "LocalSource",
     "MasterSource",
     "TFConfigSource",

@@ -6,6 +6,7 @@ Every malformed value raises :class:`~vertexrt.errors.ClusterSpecError` naming t
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -13,6 +14,14 @@ from typing import Any, ClassVar
 
 from vertexrt.distributed.model import TRAINING_ROLES, Cluster, Pool
 from vertexrt.errors import ClusterSpecError
+
+#: Bounds on a cluster variable, checked before it is parsed: Vertex's own documents are a few KiB and nest
+#: four levels deep; a huge or deep value gets a ClusterSpecError, never a RecursionError or a huge parse.
+MAX_JSON_CHARS = 1 << 20
+MAX_JSON_DEPTH = 32
+#: Longest integer accepted in a rank, size or index: well under Python's 4300-digit ``int()`` limit.
+MAX_DIGITS = 9
+_STRINGS = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)
 
 
 class ClusterSource(ABC):
@@ -147,10 +156,27 @@ def parse_cluster_json(
 
 
 def load_json_object(variable: str, text: str) -> dict[str, Any]:
-    """``json.loads`` that names the variable and position on failure and insists on an object."""
+    """``json.loads`` that names the variable and position on failure and insists on an object.
+
+    The size and nesting depth are bounded before parsing (:data:`MAX_JSON_CHARS`, :data:`MAX_JSON_DEPTH`).
+    """
+    if len(text) > MAX_JSON_CHARS:
+        raise ClusterSpecError(
+            f"{variable} is {len(text)} characters long, more than the {MAX_JSON_CHARS} a cluster spec "
+            f"needs; value starts {text[:60]!r}"
+        )
+    depth = deepest = 0
+    for bracket in re.findall(r"[\[\]{}]", _STRINGS.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        deepest = max(deepest, depth)
+    if deepest > MAX_JSON_DEPTH:
+        raise ClusterSpecError(
+            f"{variable} is nested {deepest} levels deep, more than the {MAX_JSON_DEPTH} a cluster spec "
+            f"needs; value starts {text[:60]!r}"
+        )
     try:
         doc = json.loads(text)
-    except (ValueError, RecursionError) as err:
+    except ValueError as err:
         raise ClusterSpecError(f"{variable} is not valid JSON ({err}); value starts {text[:60]!r}") from None
     if not isinstance(doc, dict):
         raise ClusterSpecError(f"{variable} must be a JSON object, got {_show(doc)}")
@@ -171,14 +197,15 @@ def parse_address(variable: str, field: str, value: object) -> str:
 
 
 def parse_port(variable: str, field: str, value: str) -> int:
-    if not (value.isascii() and value.isdigit()) or not 0 < int(value) < 65536:
-        raise ClusterSpecError(f"{variable}: field {field!r} has port {value!r}; expected 1..65535")
+    """A port number in 1..65535 (at most 5 ASCII digits, so no huge ``int()``)."""
+    if not (value.isascii() and value.isdigit() and len(value) <= 5) or not 0 < int(value) < 65536:
+        raise ClusterSpecError(f"{variable}: field {field!r} has port {clip(value)}; expected 1..65535")
     return int(value)
 
 
 def parse_index(variable: str, field: str, value: object) -> int:
     """A non-negative integer; a decimal string is accepted as TensorFlow does (``"1"``)."""
-    if isinstance(value, str) and value.isascii() and value.isdigit():
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= MAX_DIGITS:
         return int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ClusterSpecError(
@@ -187,17 +214,26 @@ def parse_index(variable: str, field: str, value: object) -> int:
     return value
 
 
+def small_int(text: str) -> int | None:
+    """``text`` as a non-negative integer of at most :data:`MAX_DIGITS` ASCII digits, else ``None``."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= MAX_DIGITS else None
+
+
 def int_env(environ: Mapping[str, str], name: str, *, minimum: int) -> int | None:
     """An integer variable (``None`` when unset); anything else is a :class:`ClusterSpecError`."""
     raw = environ.get(name)
     if raw is None:
         return None
     text = raw.strip()
-    if not (text.isascii() and text.lstrip("-").isdigit() and text.count("-") <= 1):
-        raise ClusterSpecError(f"{name}={raw!r} is not an integer")
+    digits = text.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()):
+        raise ClusterSpecError(f"{name}={clip(raw)} is not an integer")
+    if len(digits) > MAX_DIGITS:
+        raise ClusterSpecError(f"{name}={clip(raw)} has {len(digits)} digits; expected at most {MAX_DIGITS}")
     value = int(text)
     if value < minimum:
-        raise ClusterSpecError(f"{name}={raw!r} must be >= {minimum}")
+        raise ClusterSpecError(f"{name}={clip(raw)} must be >= {minimum}")
     return value
 
 
@@ -219,6 +255,11 @@ def rendezvous_from_master(environ: Mapping[str, str], *, default_port: int | No
 def trial_id(environ: Mapping[str, str], fallback: str | None = None) -> str | None:
     """``CLOUD_ML_TRIAL_ID`` when set and non-empty, else ``fallback`` (e.g. ``task.trial``)."""
     return environ.get("CLOUD_ML_TRIAL_ID") or fallback
+
+
+def clip(value: str) -> str:
+    """``repr(value)``, shortened to fit an error message."""
+    return repr(value) if len(value) <= 40 else f"{value[:40]!r}... ({len(value)} characters)"
 
 
 def _show(value: object) -> str:

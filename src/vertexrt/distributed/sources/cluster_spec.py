@@ -7,7 +7,7 @@ CLUSTER_SPEC: ``VERTEXRT_WORKERPOOL2=ps|reduction_server`` says so; otherwise it
 lists a ``ps`` pool (or is absent) and ``reduction_server`` when TF_CONFIG lists none.
 
 When TF_CONFIG or ``RANK``/``WORLD_SIZE`` disagree with CLUSTER_SPEC, CLUSTER_SPEC wins and a
-:class:`ClusterSpecWarning` names both.
+:class:`~vertexrt.errors.ClusterSpecWarning` names both.
 """
 
 from __future__ import annotations
@@ -17,16 +17,12 @@ from collections.abc import Mapping
 
 from vertexrt.distributed.model import Cluster
 from vertexrt.distributed.sources import tf_config
-from vertexrt.distributed.sources.base import ClusterJSON, ClusterSource, parse_cluster_json
-from vertexrt.errors import ClusterSpecError
+from vertexrt.distributed.sources.base import ClusterJSON, ClusterSource, parse_cluster_json, small_int
+from vertexrt.errors import ClusterSpecError, ClusterSpecWarning
 
 VARIABLE = "CLUSTER_SPEC"
 WORKERPOOL2_VARIABLE = "VERTEXRT_WORKERPOOL2"
 _LEGACY = {"chief": "chief", "master": "chief", "worker": "worker", "ps": "ps", "evaluator": "evaluator"}
-
-
-class ClusterSpecWarning(UserWarning):
-    """Two cluster variables describe the job differently."""
 
 
 def parse(text: str, environ: Mapping[str, str]) -> ClusterJSON:
@@ -101,9 +97,9 @@ def check_consistency(spec: ClusterJSON, environ: Mapping[str, str]) -> None:
             )
     if spec.node_rank >= 0:
         for name, expected in (("RANK", spec.node_rank), ("WORLD_SIZE", spec.num_nodes)):
-            raw = environ.get(name, "").strip()
-            if raw.isdigit() and int(raw) != expected:
-                _warn(f"CLUSTER_SPEC makes this node {name}={expected} but {name}={raw}")
+            value = small_int(environ.get(name, ""))
+            if value is not None and value != expected:
+                _warn(f"CLUSTER_SPEC makes this node {name}={expected} but {name}={value}")
 
 
 def _warn(message: str) -> None:

@@ -1,0 +1,617 @@
+"""Sharded state (FSDP2 / DTensor) through torch.distributed.checkpoint, on vertexrt's storage and commit.
+
+DCP plans who writes which shard and how a shard maps onto a different mesh; vertexrt stores the bytes:
+every rank writes its items into part files of the step (CRC32C per chunk, parallel uploads, the strategy's
+part size), and rank 0, once every rank's files are written, commits the step with a manifest that holds
+DCP's metadata as JSON (no pickle is read back from storage). Retention, fallback to an earlier step and the
+step's atomic commit are the :class:`~vertexrt.checkpoint.CheckpointManager`'s, which routes here when the
+state holds DTensors (or the step was written here).
+
+Restoring onto another world size or mesh (2 ranks -> 3, 2 -> 1) is DCP's resharding: modules and
+optimizers in the target are loaded through ``get_state_dict`` / ``set_state_dict``.
+
+Example:
+    >>> fully_shard(model)                                   # FSDP2, every rank
+    >>> mgr = CheckpointManager("gs://bucket/run/ckpt")
+    >>> mgr.save(step, {"model": model, "optim": opt, "step": step})
+    >>> restored = mgr.restore({"model": model, "optim": opt, "step": 0})   # any world size
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from vertexrt.checkpoint import collective, datafiles, restoring, storage
+from vertexrt.checkpoint import manifest as fmt
+from vertexrt.errors import CheckpointCorruptError, CheckpointError, StepExistsError
+
+log = logging.getLogger(__name__)
+
+#: The manifest key that marks a step written through DCP (and holds its metadata).
+KEY = "dcp"
+
+
+# -- routing ---------------------------------------------------------------------------------------------
+
+
+def holds_dtensors(state: Any) -> bool:
+    """True when ``state`` (a dict tree) holds a DTensor: a leaf, a module's or an optimizer's parameter."""
+    import sys
+
+    if "torch" not in sys.modules:
+        return False
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, DTensor):
+            return True
+        if isinstance(value, torch.nn.Module):
+            if any(isinstance(p, DTensor) for p in value.parameters()):
+                return True
+        elif isinstance(value, torch.optim.Optimizer):
+            if any(isinstance(p, DTensor) for g in value.param_groups for p in g["params"]):
+                return True
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return False
+
+
+def written_here(manifest: Mapping[str, Any]) -> bool:
+    """True when a parsed manifest is of a step written by :func:`save`."""
+    return KEY in manifest
+
+
+def wanted(mgr: Any, target: Any, step: int | None) -> bool:
+    """Whether ``mgr.restore(target, step)`` goes through DCP: DTensors in ``target``, or a DCP step."""
+    if holds_dtensors(target):
+        return True
+    steps = [step] if step is not None else mgr._strategy.committed_steps()[-1:]
+    for s in steps:
+        try:
+            return written_here(restoring.read_manifest(mgr._strategy, s))
+        except CheckpointError:
+            return False
+    return False
+
+
+# -- state <-> DCP state dict ----------------------------------------------------------------------------
+
+
+def _to_state_dict(state: Any, what: str) -> tuple[dict[str, Any], list[tuple[str, Any, str | None, Any]]]:
+    """DCP's state dict for ``state`` and the (key, module, optimizer key, optimizer) pairs in it."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"sharded (DTensor) {what} must be a dict such as {{'model': model, 'optim': opt, 'step': n}}, "
+            f"not a {type(state).__name__}"
+        )
+    modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+    optims = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+    owner: dict[str, str] = {}
+    for okey, opt in optims.items():
+        ids = {id(p) for g in opt.param_groups for p in g["params"]}
+        found = [m for m, mod in modules.items() if ids <= {id(p) for p in mod.parameters()}]
+        if not found:
+            raise CheckpointError(
+                f"{what}[{okey!r}] optimizes parameters of no module in the {what}: put the module it "
+                f"trains beside it (e.g. {{'model': model, {okey!r}: optimizer}})"
+            )
+        owner[okey] = found[0]
+    pairs = []
+    out: dict[str, Any] = {k: v for k, v in state.items() if k not in modules and k not in optims}
+    for mkey, module in modules.items():
+        okeys = [o for o, m in owner.items() if m == mkey]
+        opts = [optims[o] for o in okeys]
+        model_sd, optim_sd = get_state_dict(module, opts)
+        out[mkey] = model_sd
+        if okeys:
+            if len(okeys) > 1:
+                raise CheckpointError(
+                    f"{what} has optimizers {okeys} for one module {mkey!r}: save one optimizer per module"
+                )
+            out[okeys[0]] = optim_sd
+        pairs.append((mkey, module, okeys[0] if okeys else None, opts[0] if opts else None))
+    return out, pairs
+
+
+def _check_group(mgr: Any, state: Any, what: str) -> Any:
+    dist = collective.torch_dist()
+    if dist is None and (mgr.world_size > 1 or holds_dtensors(state)):
+        raise CheckpointError(
+            f"{what} of sharded (DTensor) state in {mgr.directory} needs torch.distributed initialised on "
+            f"every rank (world size {mgr.world_size}): call vertexrt.distributed.init_torch() (or "
+            "torch.distributed.init_process_group) before it, and keep the group until the manager is closed"
+        )
+    return dist
+
+
+# -- saving ----------------------------------------------------------------------------------------------
+
+
+def save(mgr: Any, step: int, state: Any, metrics: dict[str, float], overwrite: bool) -> None:
+    """Write ``state`` as ``step`` through DCP; every rank calls it; returns once the step is committed."""
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    dist = _check_group(mgr, state, "save()")
+    strategy = mgr._strategy
+    token = collective.broadcast(storage.new_token(), dist)
+    exists = bool(collective.all_max([int(mgr.rank == 0 and strategy.is_committed(step))], dist)[0])
+    if exists and not overwrite:
+        raise StepExistsError(
+            f"step {step} is already committed in {mgr.directory}; pass overwrite=True to save(...) to "
+            "replace it atomically, or save a new step number"
+        )
+    state_dict, _ = _to_state_dict(state, "state")
+    write_dir = strategy.begin(step, token)
+    writer = _writer_class()(mgr, step, write_dir, token, metrics, overwrite)
+    try:
+        tdcp.save(state_dict, storage_writer=writer)
+    except BaseException as exc:
+        if mgr.rank == 0:
+            try:
+                strategy.abort(write_dir, token)
+            except Exception as cleanup:
+                log.debug("cleanup after a failed sharded save: %s", cleanup)
+        if isinstance(exc, CheckpointError) or not isinstance(exc, (Exception, CheckpointException)):
+            raise
+        raise CheckpointError(
+            f"saving sharded step {step} to {mgr.directory} failed: {_unwrap(exc)}. Earlier checkpoints are "
+            "untouched; check free space / permissions of the checkpoint directory"
+        ) from exc
+    if mgr.rank == 0:
+        if writer.replaced is not None:
+            mgr._retire(step, writer.replaced, writer.manifest)
+        mgr._retention.apply(step, token)
+    log.info("sharded checkpoint step %d committed in %s", step, mgr.directory)
+
+
+def _tensor_bytes(tensor: Any) -> Any:
+    """The bytes of a tensor (any device, view or not, lazily conjugated or not) as a 1-D uint8 array."""
+    flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+    return flat.view(__import__("torch").uint8).numpy()
+
+
+def _writer_class() -> type:
+    """DCP's ``StorageWriter`` over one step of a vertexrt strategy (defined when torch is imported)."""
+    from torch.distributed.checkpoint import StorageWriter
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    class Writer(StorageWriter):
+        def __init__(
+            self, mgr: Any, step: int, write_dir: str, token: str, metrics: dict[str, float], overwrite: bool
+        ) -> None:
+            self.mgr, self.step, self.write_dir, self.token = mgr, step, write_dir, token
+            self.metrics, self.overwrite = metrics, overwrite
+            self.replaced: bytes | None = None
+            self.manifest: dict[str, Any] = {}
+            self.rank = 0
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            pass
+
+        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+            self.rank = self.mgr.rank
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return plan
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            return plans
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            strategy = self.mgr._strategy
+            buffers: list[Any] = []
+            nodes: list[dict[str, Any]] = []
+            described: list[dict[str, Any]] = []
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type == WriteItemType.BYTE_IO:
+                    buffers.append(__import__("numpy").frombuffer(data.getvalue(), dtype="uint8"))
+                    described.append({"t": "bytes"})
+                else:
+                    buffers.append(_tensor_bytes(data))
+                    described.append(
+                        {
+                            "t": "tensor",
+                            "dtype": str(data.dtype).removeprefix("torch."),
+                            "shape": list(data.shape),
+                        }
+                    )
+                nodes.append({"t": "bytes"})
+            prefix = f"data.{self.token}.s{self.rank}"
+            files = datafiles.write(
+                strategy.store,
+                self.write_dir,
+                prefix,
+                nodes,
+                buffers,
+                part_size=strategy.part_size_for(sum(len(b) for b in buffers)),
+                threads=strategy.io_threads,
+            )
+            body = {"shard": self.rank, "prefix": prefix, "files": files, "tree": {"t": "list", "v": nodes}}
+            from vertexrt.checkpoint import sharded
+
+            sharded.publish(strategy.store, self.write_dir, self.token, self.rank, body)
+            results = [
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=len(buf),
+                    storage_data={"shard": self.rank, "leaf": i, **d},
+                )
+                for i, (item, buf, d) in enumerate(zip(plan.items, buffers, described, strict=True))
+            ]
+            future: Future[list[WriteResult]] = Future()
+            future.set_result(results)
+            return future
+
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            from vertexrt.checkpoint import sharded
+
+            mgr, strategy = self.mgr, self.mgr._strategy
+            bodies = sharded.gather(
+                strategy.store,
+                self.write_dir,
+                self.token,
+                world_size=mgr.world_size,
+                timeout=mgr.commit_timeout,
+            )
+            manifest = fmt.build(
+                step=self.step, world_size=mgr.world_size, sharded=True, shards=bodies, metrics=self.metrics
+            )
+            metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+            manifest[KEY] = encode_metadata(metadata)
+            self.manifest = manifest
+            self.replaced = strategy.commit(
+                self.step, self.write_dir, fmt.dumps(manifest), self.token, self.overwrite
+            )
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return False
+
+    return Writer
+
+
+# -- restoring -------------------------------------------------------------------------------------------
+
+
+def restore(mgr: Any, target: Any, step: int | None) -> Any:
+    """Load the newest valid DCP step (or ``step``) into ``target``; every rank calls it; None if none.
+
+    A step that is corrupt on any rank (a checksum, a missing file) is skipped on every rank and the
+    previous one is tried (not when ``step`` is given).
+    """
+    if target is None:
+        raise CheckpointError(
+            f"the newest checkpoint in {mgr.directory} holds sharded (DCP) state: restore it into a target, "
+            "e.g. restore({'model': model, 'optim': opt, 'step': 0})"
+        )
+    dist = _check_group(mgr, target, "restore()")
+    candidates = [step] if step is not None else list(reversed(mgr._strategy.committed_steps()))
+    candidates = collective.broadcast(candidates, dist)
+    failures = []
+    for s in candidates:
+        try:
+            result = _load_step(mgr, s, target, dist)
+        except CheckpointCorruptError as exc:
+            if step is not None:
+                raise
+            log.warning("skipping sharded checkpoint step %d in %s, falling back: %s", s, mgr.directory, exc)
+            failures.append(f"step {s}: {exc}")
+            continue
+        mgr.restored_step = s
+        mgr._last = (s, None)
+        return result
+    if failures:
+        raise CheckpointError(
+            f"no usable checkpoint in {mgr.directory}: "
+            + "; ".join(failures)
+            + ". Delete the directory to start over, or restore(step=...) a specific step"
+        )
+    return None
+
+
+def _load_step(mgr: Any, step: int, target: Any, dist: Any) -> Any:
+    import torch.distributed.checkpoint as tdcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    manifest, problem = None, None
+    try:
+        manifest = restoring.read_manifest(mgr._strategy, step)
+        if not written_here(manifest):
+            raise CheckpointError(
+                f"checkpoint step {step} in {mgr.directory} was not saved with sharded (DTensor) state: "
+                "restore it into a target without DTensors, or restore(step=...) a sharded step"
+            )
+        metadata = decode_metadata(manifest[KEY], manifest, name=_manifest_name(mgr, step))
+        restoring.check_files(mgr._strategy, step, manifest)
+    except Exception as exc:  # any error: every rank must reach the agreement, or the others hang in DCP
+        problem = exc
+    agree(problem, dist, f"reading checkpoint step {step} in {mgr.directory}")
+    state_dict, pairs = _to_state_dict(target, "target")
+    reader = _reader_class()(mgr, step, manifest, metadata)
+    try:
+        tdcp.load(state_dict, storage_reader=reader, planner=_safe_planner())
+    except CheckpointException as exc:
+        errors = [_unwrap_one(e) for e in exc.failures.values()]
+        if errors and all(isinstance(e, CheckpointCorruptError) for e in errors):
+            raise CheckpointCorruptError("; ".join(str(e) for e in errors)) from exc
+        raise CheckpointError(
+            f"restoring sharded step {step} from {mgr.directory} failed: {_unwrap(exc)}"
+        ) from exc
+    result = dict(state_dict)
+    for mkey, module, okey, opt in pairs:
+        set_state_dict(
+            module,
+            [opt] if opt is not None else [],
+            model_state_dict=state_dict[mkey],
+            optim_state_dict=state_dict[okey] if okey is not None else {},
+        )
+        result[mkey] = module
+        if okey is not None:
+            result[okey] = opt
+    return result
+
+
+def agree(error: BaseException | None, dist: Any, what: str) -> None:
+    """Raise on every rank when ``what`` failed on any rank (one all-gather), so all ranks take one path.
+
+    All failures damaged steps: CheckpointCorruptError everywhere (so every rank falls back alike), this
+    rank's own when it has one. Else the same CheckpointError on every rank, naming each failing rank's error.
+
+    Example:
+        >>> agree(None, None, "reading checkpoint step 3")  # no failure anywhere: returns
+    """
+    mine = None if error is None else (isinstance(error, CheckpointCorruptError), _describe(error))
+    outcomes = collective.all_gather(mine, dist)
+    failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
+    if not failed:
+        return
+    message = f"{what} failed on " + "; ".join(f"rank {rank}: {text}" for rank, (_, text) in failed)
+    if all(corrupt for _, (corrupt, _) in failed):
+        if isinstance(error, CheckpointCorruptError):
+            raise error
+        raise CheckpointCorruptError(message)
+    raise CheckpointError(message) from error
+
+
+def _describe(error: BaseException) -> str:
+    """``error`` in one bounded line: its type (when not a CheckpointError) and message."""
+    text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+    return text[:1000]
+
+
+def _manifest_name(mgr: Any, step: int) -> str:
+    return str(mgr._strategy.store.join(mgr._strategy.step_dir(step), storage.MANIFEST))
+
+
+def _safe_planner() -> Any:
+    """DCP's default load planner, but non-tensor values are unpickled with ``weights_only=True``."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class SafeLoadPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return SafeLoadPlanner()
+
+
+def _reader_class() -> type:
+    """DCP's ``StorageReader`` over one verified step (defined when torch is imported)."""
+    import torch
+    from torch.distributed.checkpoint import StorageReader
+    from torch.distributed.checkpoint.planner import LoadItemType
+    from torch.futures import Future
+
+    class Reader(StorageReader):
+        def __init__(self, mgr: Any, step: int, manifest: dict[str, Any], metadata: Any) -> None:
+            self.mgr, self.step, self.manifest, self.metadata = mgr, step, manifest, metadata
+
+        def reset(self, checkpoint_id: Any = None) -> None:
+            pass
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return self.metadata
+
+        def set_up_storage_reader(
+            self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+        ) -> None:
+            pass
+
+        def prepare_local_plan(self, plan: Any) -> Any:
+            return plan
+
+        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+            return plans
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            strategy = self.mgr._strategy
+            name = _manifest_name(self.mgr, self.step)
+            bodies = {b["shard"]: b for b in self.manifest["shards"]}
+            wanted: dict[int, dict[int, Any]] = {}
+            for req in plan.items:
+                where = self.metadata.storage_data.get(req.storage_index)
+                if where is None:
+                    raise CheckpointCorruptError(
+                        f"manifest {name} does not locate {req.storage_index.fqn}", file=name
+                    )
+                wanted.setdefault(where["shard"], {})[where["leaf"]] = None
+            buffers: dict[tuple[int, int], Any] = {}
+            for shard, leaves in wanted.items():
+                body = bodies[shard]
+                nodes = body["tree"]["v"]
+                order = sorted(leaves)
+                got = datafiles.read(
+                    strategy.store,
+                    strategy.step_dir(self.step),
+                    body["prefix"],
+                    body["files"],
+                    [nodes[i] for i in order],
+                    threads=strategy.io_threads,
+                    use_mmap=strategy.mmap_reads,
+                )
+                buffers.update({(shard, i): buf for i, buf in zip(order, got, strict=True)})
+            for req in plan.items:
+                where = self.metadata.storage_data[req.storage_index]
+                data = buffers[(where["shard"], where["leaf"])]
+                if req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(req, io.BytesIO(bytes(data)))
+                    continue
+                stored = (
+                    torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                    if len(data)
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+                stored = stored.view(where["dtype"]).reshape(where["shape"])
+                for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                    stored = stored.narrow(dim, offset, length)
+                dest = planner.resolve_tensor(req).detach()
+                if dest.size() != stored.size():
+                    raise CheckpointCorruptError(
+                        f"manifest {name}: {req.storage_index.fqn} has shape {list(stored.size())}, "
+                        f"the target expects {list(dest.size())}",
+                        file=name,
+                    )
+                dest.copy_(stored)
+                planner.commit_tensor(req, dest)
+            future: Future[None] = Future()
+            future.set_result(None)
+            return future
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return False
+
+    return Reader
+
+
+# -- DCP metadata <-> JSON (validated: the manifest is untrusted input) ----------------------------------
+
+
+def encode_metadata(metadata: Any) -> dict[str, Any]:
+    """DCP's ``Metadata`` as JSON values."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = {}
+    for fqn, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            entries[fqn] = {
+                "t": "tensor",
+                "dtype": str(meta.properties.dtype).removeprefix("torch."),
+                "requires_grad": bool(meta.properties.requires_grad),
+                "size": list(meta.size),
+                "chunks": [[list(c.offsets), list(c.sizes)] for c in meta.chunks],
+            }
+        else:
+            entries[fqn] = {"t": "bytes"}
+    located = [
+        [index.fqn, None if index.offset is None else list(index.offset), where]
+        for index, where in (metadata.storage_data or {}).items()
+    ]
+    planner = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
+    return {"version": metadata.version, "entries": entries, "storage": located, "planner": planner}
+
+
+def decode_metadata(value: Any, manifest: dict[str, Any], *, name: str) -> Any:
+    """DCP's ``Metadata`` from :func:`encode_metadata`'s output, every field checked against the manifest.
+
+    Raises:
+        CheckpointCorruptError: a field out of schema, or a location outside the step's shards.
+    """
+    import torch
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    def dims(v: Any) -> list[int]:
+        if not isinstance(v, list) or len(v) > fmt.MAX_DIMS or not all(_int(d) and d >= 0 for d in v):
+            raise ValueError(f"dimensions {str(v)[:80]}")
+        return v
+
+    def dtype(v: Any) -> Any:
+        found = getattr(torch, v, None) if isinstance(v, str) else None
+        if not isinstance(found, torch.dtype):
+            raise ValueError(f"dtype {str(v)[:40]!r}")
+        return found
+
+    leaves = {
+        b["shard"]: b["tree"].get("v") if isinstance(b["tree"], dict) else None for b in manifest["shards"]
+    }
+    try:
+        entries: dict[str, Any] = {}
+        for fqn, e in value["entries"].items():
+            if e["t"] == "bytes":
+                entries[str(fqn)] = BytesStorageMetadata()
+                continue
+            props = TensorProperties(dtype=dtype(e["dtype"]), requires_grad=bool(e["requires_grad"]))
+            chunks = [ChunkStorageMetadata(torch.Size(dims(o)), torch.Size(dims(s))) for o, s in e["chunks"]]
+            entries[str(fqn)] = TensorStorageMetadata(props, torch.Size(dims(e["size"])), chunks)
+        located = {}
+        for fqn, offset, where in value["storage"]:
+            shard, leaf = where["shard"], where["leaf"]
+            nodes = leaves.get(shard) if _int(shard) else None
+            if not _int(leaf) or not isinstance(nodes, list) or not 0 <= leaf < len(nodes):
+                raise ValueError(f"location {str(where)[:80]} of {str(fqn)[:80]}")
+            nbytes = sum(chunk[2] for chunk in nodes[leaf].get("chunks", []))
+            if where["t"] == "tensor":
+                kind = dtype(where["dtype"])
+                if math.prod(dims(where["shape"])) * kind.itemsize != nbytes:
+                    raise ValueError(f"{str(fqn)[:80]} of shape {where['shape']} in {nbytes} bytes")
+                where = {**where, "dtype": kind}
+            elif where["t"] != "bytes":
+                raise ValueError(f"item kind {str(where['t'])[:40]}")
+            key = MetadataIndex(str(fqn), None if offset is None else torch.Size(dims(offset)))
+            located[key] = where
+        planner = {str(k): tuple(v) for k, v in value["planner"].items()}
+        if not all(isinstance(p, (str, int)) for path in planner.values() for p in path):
+            raise ValueError("planner paths")
+        version = value["version"]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointCorruptError(f"manifest {name} has invalid DCP metadata: {exc}", file=name) from None
+    return Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=located, version=version)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _unwrap_one(failure: Any) -> BaseException:
+    """The exception of one rank's failure in a ``CheckpointException`` (an exception or a (exc, tb) pair)."""
+    if isinstance(failure, BaseException):
+        return failure
+    if isinstance(failure, tuple) and failure and isinstance(failure[0], BaseException):
+        return failure[0]
+    return RuntimeError(str(failure))
+
+
+def _unwrap(exc: BaseException) -> str:
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {r}: {_unwrap_one(f)}" for r, f in sorted(failures.items()))
+    return str(exc)

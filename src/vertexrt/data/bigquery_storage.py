@@ -1,0 +1,545 @@
+"""BigQuery Storage Read API: one read session per job, its streams read as Arrow from a (stream, row) cursor.
+
+The chief creates one session with ``N`` streams; the stream names reach every rank through the world
+model (``torch.distributed`` broadcast when a process group is up), so all ranks read the same session and
+each reader takes its own streams. A reader's position is the row offset inside its stream, so resume is
+exact. What the server gets wrong is handled here:
+
+* a server that ignores ``ReadRows.offset`` (re-sends from row 0, as the ``bqemulator`` does) is detected
+  by its progress stats and the rows before the offset are skipped locally, checked by count;
+* a stream that fails mid-read is reopened from the last row delivered (bounded retries);
+* a stream that stalls (no message and no status for ``idle_timeout`` seconds while the reader waits) is
+  cancelled and reopened the same way;
+* a session past its expiry (6 h) is replaced by a new one with the same options, and a warning says so.
+
+A dataset's state records its session (:func:`session_record`): a restart while the session lives reads
+the same streams again (:func:`reuse_session`), so resume stays exact on real BigQuery, which does not
+promise the same split of a table into streams in a new session.
+
+``STORAGE_READ_EMULATOR_HOST`` (``host:port``) points the client at a local gRPC server, insecure. With
+``BIGQUERY_EMULATOR_HOST`` set and no ``STORAGE_READ_EMULATOR_HOST`` the API counts as unavailable (a REST
+emulator: the table is read with ``list_rows``, nothing goes to Google).
+
+Example:
+    >>> streams = create_session(parse_table("bq://p.d.t"), streams=8, columns=["x"], row_filter="x > 0")
+    >>> for offset, batch in read_stream(streams[0], 0): ...
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from vertexrt.data.sources import TableSource
+from vertexrt.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+SESSION_LIFETIME = 6 * 3600.0
+"""Seconds a read session lives when the server reports no expiry (BigQuery's documented 6 hours)."""
+EXPIRY_MARGIN = 60.0
+RENEW_MARGIN = 3600.0
+"""At an epoch start, a session with less than this left is replaced (once per job, by the chief)."""
+MAX_SAVED_STREAMS = 10_000
+RETRIES = 5
+IDLE_TIMEOUT = 120.0
+"""Seconds a reader waits for the next ``ReadRows`` message before it cancels the stream and reopens it."""
+CALL_TIMEOUT = 3600.0
+
+
+class StorageUnavailable(DataError):
+    """The Storage Read API cannot be used here (not enabled, not reachable): read with ``list_rows``."""
+
+
+@dataclass(frozen=True)
+class StreamSource:
+    """One stream of a read session: what a reader reads; its positions are row offsets in the stream."""
+
+    table_id: str
+    session: str
+    stream: str
+    index: int
+    streams: int
+    expires: float
+    schema: bytes
+    columns: tuple[str, ...] | None = None
+    row_filter: str | None = None
+    project: str | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"bq://{self.table_id} (stream {self.index} of {self.streams})"
+
+
+_CLIENTS: dict[tuple[int, str | None], Any] = {}
+_RENEWED: dict[str, list[StreamSource]] = {}
+
+
+def read_client() -> Any:
+    """This process's low-level Storage Read client (no automatic stream resume: the reader owns it)."""
+    host = os.environ.get("STORAGE_READ_EMULATOR_HOST", "").strip() or None
+    key = (os.getpid(), host)
+    if key not in _CLIENTS:
+        from google.cloud.bigquery_storage_v1.services.big_query_read import BigQueryReadClient
+
+        if host:
+            import grpc
+            from google.cloud.bigquery_storage_v1.services.big_query_read.transports import (
+                BigQueryReadGrpcTransport,
+            )
+
+            channel = grpc.insecure_channel(host, options=[("grpc.max_receive_message_length", -1)])
+            _CLIENTS[key] = BigQueryReadClient(transport=BigQueryReadGrpcTransport(channel=channel))
+        else:
+            _CLIENTS[key] = BigQueryReadClient()
+    return _CLIENTS[key]
+
+
+def create_session(
+    table: TableSource,
+    streams: int,
+    columns: Sequence[str] | None = None,
+    row_filter: str | None = None,
+    project: str | None = None,
+    timeout: float = 120.0,
+) -> list[StreamSource]:
+    """A new Arrow read session on ``table`` with up to ``streams`` streams (the server may grant fewer).
+
+    Raises:
+        DataError: the table does not exist or cannot be read, or there are no credentials (names the
+            table and the fix).
+        StorageUnavailable: the API is not enabled or not reachable (use ``list_rows``).
+    """
+    if (
+        os.environ.get("BIGQUERY_EMULATOR_HOST", "").strip()
+        and not os.environ.get("STORAGE_READ_EMULATOR_HOST", "").strip()
+    ):
+        raise StorageUnavailable(
+            f"bq://{table.table_id}: BIGQUERY_EMULATOR_HOST is set and STORAGE_READ_EMULATOR_HOST is not, so "
+            "the Storage Read API is not emulated (set STORAGE_READ_EMULATOR_HOST=host:port to use it)"
+        )
+    from google.api_core import exceptions as gexc
+    from google.api_core.retry import Retry
+    from google.auth.exceptions import DefaultCredentialsError
+    from google.cloud.bigquery_storage_v1 import types
+
+    from vertexrt.env import project_id
+
+    options = types.ReadSession.TableReadOptions(
+        selected_fields=list(columns or []), row_restriction=row_filter or ""
+    )
+    request = types.ReadSession(
+        table=f"projects/{table.project}/datasets/{table.dataset}/tables/{table.table}",
+        data_format=types.DataFormat.ARROW,
+        read_options=options,
+    )
+    try:
+        session = read_client().create_read_session(
+            parent=f"projects/{project_id(project)}",
+            read_session=request,
+            max_stream_count=max(1, streams),
+            retry=Retry(initial=0.2, maximum=5.0, timeout=timeout),
+            timeout=timeout,
+        )
+    except DefaultCredentialsError as err:
+        raise DataError(
+            f"bq://{table.table_id}: no Google credentials for the Storage Read API ({err}); run the job "
+            "with a service account, or locally `gcloud auth application-default login`"
+        ) from None
+    except (gexc.NotFound, gexc.InvalidArgument) as err:
+        raise DataError(
+            f"bq://{table.table_id}: cannot open a read session ({type(err).__name__}: {err.message}); "
+            "check the table name, the columns and the row filter"
+        ) from None
+    except gexc.PermissionDenied as err:
+        if "has not been used" in str(err) or "SERVICE_DISABLED" in str(err) or "is disabled" in str(err):
+            raise StorageUnavailable(f"bq://{table.table_id}: the Storage Read API is not enabled") from None
+        raise DataError(
+            f"bq://{table.table_id}: permission denied ({err.message}); grant the job's service account "
+            "roles/bigquery.readSessionUser on the project and roles/bigquery.dataViewer on the table"
+        ) from None
+    except (gexc.GoogleAPICallError, gexc.RetryError) as err:
+        raise StorageUnavailable(
+            f"bq://{table.table_id}: the Storage Read API failed ({type(err).__name__}: {err})"
+        ) from None
+    expires = session.expire_time.timestamp() if session.expire_time else time.time() + SESSION_LIFETIME
+    return [
+        StreamSource(
+            table_id=table.table_id,
+            session=session.name,
+            stream=stream.name,
+            index=i,
+            streams=len(session.streams),
+            expires=expires,
+            schema=bytes(session.arrow_schema.serialized_schema),
+            columns=tuple(columns) if columns is not None else None,
+            row_filter=row_filter,
+            project=project,
+        )
+        for i, stream in enumerate(session.streams)
+    ]
+
+
+def session_record(
+    streams: Sequence[StreamSource], counts: Sequence[int] | None = None
+) -> dict[str, Any] | None:
+    """What a data state keeps of a plan to read the same streams again: session, stream names, expiry,
+    and the rows of each stream when they were counted (for ``equalize``).
+
+    Example:
+        >>> session_record(streams, [50000, 50000])
+        {'name': 'projects/p/locations/US/sessions/ab12', 'expires': 1767225600.0, 'streams': ['0', '1'],
+         'counts': [50000, 50000]}
+    """
+    if not streams:
+        return None
+    session = streams[0].session
+    prefix = f"{session}/streams/"
+    record = {
+        "name": session,
+        "expires": streams[0].expires,
+        "streams": [s.stream[len(prefix) :] if s.stream.startswith(prefix) else s.stream for s in streams],
+    }
+    if counts is not None:
+        record["counts"] = list(counts)
+    return record
+
+
+def check_record(record: Any) -> dict[str, Any] | None:
+    """``record`` (a data state's ``session``, untrusted) validated, or None when there is none.
+
+    Raises:
+        DataError: it is not a :func:`session_record` (names the key).
+    """
+    if record is None:
+        return None
+    where = "the data state's 'session'"
+    if not isinstance(record, dict):
+        raise DataError(f"{where} is {type(record).__name__}, not a mapping: save the state again")
+    name, expires, streams = record.get("name"), record.get("expires"), record.get("streams")
+    if not isinstance(name, str) or not 0 < len(name) <= 1024:
+        raise DataError(f"{where}: 'name' must be a session name of 1 to 1024 characters, not {name!r:.80}")
+    if not isinstance(expires, int | float) or isinstance(expires, bool) or not math.isfinite(expires):
+        raise DataError(f"{where}: 'expires' must be seconds since the epoch, not {expires!r:.80}")
+    if (
+        not isinstance(streams, list)
+        or not 0 < len(streams) <= MAX_SAVED_STREAMS
+        or not all(isinstance(n, str) and 0 < len(n) <= 1024 for n in streams)
+        or any("/" in n and not n.startswith(f"{name}/") for n in streams)
+    ):
+        raise DataError(
+            f"{where}: 'streams' must be a list of 1 to {MAX_SAVED_STREAMS} stream names of session "
+            f"{name!r:.80}, not {streams!r:.80}; save the state again"
+        )
+    counts = record.get("counts")
+    if counts is not None and (
+        not isinstance(counts, list)
+        or len(counts) != len(streams)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2**63 for n in counts)
+    ):
+        raise DataError(
+            f"{where}: 'counts' must be the rows of each of its {len(streams)} streams, not {counts!r:.80}; "
+            "save the state again"
+        )
+    return {"name": name, "expires": float(expires), "streams": list(streams), "counts": counts}
+
+
+def reuse_session(
+    table: TableSource,
+    record: dict[str, Any],
+    columns: Sequence[str] | None = None,
+    row_filter: str | None = None,
+    project: str | None = None,
+) -> list[StreamSource] | None:
+    """The streams of a saved session (``record`` from :func:`check_record`) while it lives, else None.
+
+    The schema comes with each stream's first ``ReadRows`` message. Example:
+        >>> reuse_session(parse_table("bq://p.d.t"), state["session"]) or create_session(...)
+    """
+    if time.time() >= record["expires"] - EXPIRY_MARGIN:
+        return None
+    session, names = record["name"], record["streams"]
+    return [
+        StreamSource(
+            table_id=table.table_id,
+            session=session,
+            stream=name if "/" in name else f"{session}/streams/{name}",
+            index=i,
+            streams=len(names),
+            expires=record["expires"],
+            schema=b"",
+            columns=tuple(columns) if columns is not None else None,
+            row_filter=row_filter,
+            project=project,
+        )
+        for i, name in enumerate(names)
+    ]
+
+
+def log_new_session(table_id: str, saved: dict[str, Any] | None, session: str) -> None:
+    """The loud warning of a mid-epoch resume that cannot read its saved session (expired, or not saved)."""
+    logger.warning(
+        "bq://%s: the read session of the loaded mid-epoch position (%s) %s; it continues in new session %s "
+        "at the same stream and row: rows of this epoch may repeat or be missed (BigQuery may split the "
+        "table into other streams)",
+        table_id,
+        saved["name"] if saved else "not saved",
+        "has expired" if saved else "is not in the state",
+        session,
+    )
+
+
+def shared_session(create: Any, rank: int, world_size: int) -> list[StreamSource] | None:
+    """The session every rank reads: ``create()`` on the chief, broadcast over ``torch.distributed``.
+
+    Returns None when the API is unavailable, or when ``world_size > 1`` and no process group is up
+    (sessions cannot be shared without one: each rank would get different streams); the caller then
+    reads with ``list_rows``. The chief's errors are raised on every rank.
+    """
+    if world_size == 1:
+        try:
+            return list(create())
+        except StorageUnavailable as err:
+            logger.info("%s; reading with list_rows", err)
+            return None
+    if not _torch_group_up():
+        logger.info("no torch.distributed process group: %d ranks read BigQuery with list_rows", world_size)
+        return None
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if rank == 0:
+        try:
+            box[0] = list(create())
+        except StorageUnavailable as err:
+            box[0] = ("unavailable", str(err))
+        except DataError as err:
+            box[0] = ("error", str(err))
+    dist.broadcast_object_list(box, src=0)
+    value = box[0]
+    if isinstance(value, tuple):
+        if value[0] == "error":
+            raise DataError(value[1])
+        logger.info("%s; reading with list_rows", value[1])
+        return None
+    return list(value)
+
+
+def shared_counts(count: Any, streams: Sequence[StreamSource], rank: int, world_size: int) -> list[int]:
+    """Rows in each of ``streams``, ``count(stream)`` run once per stream in all: rank ``r`` counts streams
+    ``r, r + world_size, ...`` and the counts are gathered over ``torch.distributed`` (every rank calls it);
+    one rank, or no process group, counts them all.
+
+    Raises:
+        DataError: a count failed on any rank: every rank raises the same error, naming the stream and
+            the rank (no rank is left waiting in the gather).
+    """
+    if world_size == 1 or not _torch_group_up():
+        return [count(stream) for stream in streams]
+    import torch.distributed as dist
+
+    mine: dict[int, int] = {}
+    failure = None
+    for i, stream in enumerate(streams):
+        if i % world_size != rank:
+            continue
+        try:
+            mine[i] = count(stream)
+        except Exception as err:  # noqa: BLE001 - every rank must reach the gather to learn of it
+            why = str(err).removeprefix(f"{stream.uri}: ")
+            failure = f"{stream.uri}: counting its rows (to share them out) failed on rank {rank}: {why}"
+            break
+    parts: list[Any] = [None] * world_size
+    dist.all_gather_object(parts, (failure, mine))
+    for failed, _ in parts:
+        if failed:
+            raise DataError(f"{failed}; fix the cause, then restart every rank")
+    counts = {i: n for _, part in parts for i, n in part.items()}
+    return [counts[i] for i in range(len(streams))]
+
+
+def _torch_group_up() -> bool:
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def _renewed(source: StreamSource, why: str) -> StreamSource:
+    """The same stream index in a fresh session with the same options (one new session per process)."""
+    fresh = _RENEWED.get(source.session)
+    if fresh is None:
+        from vertexrt.data.sources import parse_table
+
+        fresh = create_session(
+            parse_table(source.table_id), source.streams, source.columns, source.row_filter, source.project
+        )
+        _RENEWED[source.session] = fresh
+        logger.warning(
+            "bq://%s: read session %s %s; created session %s and continue each stream at its row offset "
+            "(if BigQuery split the table differently, rows of this epoch may repeat or be missed)",
+            source.table_id,
+            source.session,
+            why,
+            fresh[0].session if fresh else "(no streams)",
+        )
+    if source.index >= len(fresh):
+        raise DataError(
+            f"{source.uri}: the new read session has only {len(fresh)} streams; restart the epoch"
+        )
+    return replace(fresh[source.index], streams=source.streams)
+
+
+def read_stream(
+    source: StreamSource, offset: int, idle_timeout: float = IDLE_TIMEOUT
+) -> Iterator[tuple[int, Any]]:
+    """``(row offset, pyarrow.RecordBatch)`` of ``source`` from row ``offset`` to the end of the stream.
+
+    Example:
+        >>> rows = sum(batch.num_rows for _, batch in read_stream(streams[0], 0, idle_timeout=60.0))
+    """
+    import pyarrow as pa
+    from google.api_core import exceptions as gexc
+
+    if time.time() >= source.expires - EXPIRY_MARGIN:
+        source = _renewed(source, "has expired")
+    schema = pa.ipc.read_schema(pa.py_buffer(source.schema)) if source.schema else None
+    pos = offset
+    failures = 0
+    while True:
+        try:
+            for batch in _read_from(source, pos, schema, idle_timeout):
+                if schema is None:
+                    schema = batch.schema
+                pos += batch.num_rows
+                failures = 0
+                yield pos - batch.num_rows, batch
+            return
+        except (gexc.NotFound, gexc.FailedPrecondition) as err:
+            if failures:
+                raise DataError(f"{source.uri}: reading from row {pos} failed ({err})") from None
+            failures += 1
+            source = _renewed(source, f"is gone ({type(err).__name__})")
+        except (
+            gexc.ServiceUnavailable,
+            gexc.InternalServerError,
+            gexc.DeadlineExceeded,
+            gexc.Aborted,
+        ) as err:
+            failures += 1
+            if failures > RETRIES:
+                raise DataError(
+                    f"{source.uri}: reading from row {pos} failed {failures} times ({err}); "
+                    "check the network and the BigQuery quota, then resume from the last checkpoint"
+                ) from None
+            logger.warning("%s: stream broke at row %d (%s); retrying from there", source.uri, pos, err)
+            time.sleep(min(0.1 * 2**failures, 5.0))
+
+
+def _read_from(source: StreamSource, offset: int, schema: Any, idle_timeout: float) -> Iterator[Any]:
+    """Record batches from ``offset``; skips rows locally when the server did not honour the offset.
+
+    Raises ``DeadlineExceeded`` (retried by :func:`read_stream`) when the server sends nothing for
+    ``idle_timeout`` seconds while this reader waits for a message.
+    """
+    from google.api_core import exceptions as gexc
+
+    responses = read_client().read_rows(read_stream=source.stream, offset=offset, timeout=CALL_TIMEOUT)
+    watch = _IdleWatch(responses, idle_timeout)
+    try:
+        yield from _batches(source, offset, schema, watch)
+    except gexc.GoogleAPICallError:
+        if watch.fired:
+            raise gexc.DeadlineExceeded(
+                f"no message for {idle_timeout:g} s; the stream was cancelled (idle timeout)"
+            ) from None
+        raise
+    finally:
+        watch.close()
+        getattr(responses, "cancel", lambda: None)()  # a stream left open holds a server thread
+
+
+class _IdleWatch:
+    """Iterates ``responses``; a watchdog thread cancels the call when one wait for the next message lasts
+    ``timeout`` seconds (time the consumer spends between messages does not count)."""
+
+    def __init__(self, responses: Any, timeout: float):
+        import threading
+
+        self.responses = responses
+        self.timeout = timeout
+        self.fired = False
+        self._since: float | None = None  # when the current wait for a message began
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._watch, name="vertexrt-bq-idle", daemon=True)
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[Any]:
+        it = iter(self.responses)
+        while True:
+            with self._wake:
+                self._since = time.monotonic()
+                self._wake.notify()
+            try:
+                message = next(it)
+            except StopIteration:
+                return
+            finally:
+                with self._wake:
+                    self._since = None
+            yield message
+
+    def _watch(self) -> None:
+        with self._wake:
+            while not self._closed:
+                if self._since is None:
+                    self._wake.wait()
+                    continue
+                left = self._since + self.timeout - time.monotonic()
+                if left > 0:
+                    self._wake.wait(left)
+                    continue
+                self.fired = self._closed = True
+        if self.fired:
+            getattr(self.responses, "cancel", lambda: None)()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+
+
+def _batches(source: StreamSource, offset: int, schema: Any, responses: Any) -> Iterator[Any]:
+    import pyarrow as pa
+
+    skip = None
+    for response in responses:
+        if skip is None:
+            progress = response.stats.progress
+            ignored = offset > 0 and progress.at_response_start == 0.0 and progress.at_response_end > 0.0
+            skip = offset if ignored else 0
+        if schema is None and response.arrow_schema.serialized_schema:
+            schema = pa.ipc.read_schema(pa.py_buffer(response.arrow_schema.serialized_schema))
+        if not response.row_count:
+            continue
+        batch = pa.ipc.read_record_batch(
+            pa.py_buffer(response.arrow_record_batch.serialized_record_batch), schema
+        )
+        if skip:
+            dropped = min(skip, batch.num_rows)
+            skip -= dropped
+            batch = batch.slice(dropped)
+            if not batch.num_rows:
+                continue
+        yield batch
+    if skip:
+        raise DataError(
+            f"{source.uri}: the stream ended {skip} rows before the resume offset {offset}; the table or "
+            "the session's split changed since the checkpoint: restart the epoch"
+        )

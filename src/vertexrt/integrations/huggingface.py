@@ -1,0 +1,290 @@
+"""The Hugging Face ``transformers.Trainer`` on Vertex AI through vertexrt.
+
+:class:`VertexTrainerCallback` (one object, three lines in a training script):
+
+- :meth:`~VertexTrainerCallback.training_arguments`: ``TrainingArguments`` fields from the Vertex
+  environment (``output_dir``, CPU/GPU, DDP backend), after joining ``torch.distributed`` from vertexrt's
+  cluster model (``CLUSTER_SPEC``, torchrun, ``local-run``): the Trainer itself reads none of them.
+- Checkpoints: the Trainer writes ``checkpoint-N`` to a local directory; on each save every rank copies its
+  files to ``<output_dir>/checkpoint-N`` (``gs://``, ``/gcs/`` or local) and rank 0 writes a completion
+  marker *last*. :meth:`~VertexTrainerCallback.resume_from_checkpoint` is the newest step with a marker.
+- Preemption: on SIGTERM (through :func:`vertexrt.runtime.signals.preemption_signal`, the one owner) all
+  ranks agree at a step end (:class:`~vertexrt.runtime.vote.StopVote`), save, commit, and exit 143.
+- Hyperparameter tuning: rank 0 reports ``metric_for_best_model`` after each evaluation.
+
+Example:
+    >>> vertex = VertexTrainerCallback()
+    >>> args = TrainingArguments(**vertex.training_arguments(), save_steps=100, data_seed=0)
+    >>> trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[vertex])
+    >>> trainer.train(resume_from_checkpoint=vertex.resume_from_checkpoint())   # None on a fresh start
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from typing import Any
+
+from transformers import TrainerCallback
+
+from vertexrt import paths
+from vertexrt.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MARKER", "VertexTrainerCallback", "export_model", "setup_distributed"]
+
+#: Written into ``checkpoint-N`` last, once every rank's files are there: a step without it is incomplete.
+MARKER = "vertexrt-complete.json"
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def setup_distributed() -> Any:
+    """Join ``torch.distributed`` for a multi-process job and export torchrun's variables for the Trainer.
+
+    ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` are
+    set per *process* from :func:`vertexrt.distributed.cluster` (Vertex sets ``RANK``/``WORLD_SIZE`` per
+    replica), then :func:`vertexrt.distributed.init_torch` joins the group with its patient rendezvous;
+    accelerate (under the Trainer) finds it initialised. One process: nothing is set. Returns the cluster.
+
+    Example:
+        >>> c = setup_distributed()        # before TrainingArguments(...) is built
+    """
+    from vertexrt.distributed import cluster, init_torch
+
+    c = cluster()
+    if c.world_size > 1:
+        host, _, port = (c.rendezvous_address or "").rpartition(":")
+        os.environ.update(
+            RANK=str(c.rank),
+            WORLD_SIZE=str(c.world_size),
+            LOCAL_RANK=str(c.local_rank),
+            LOCAL_WORLD_SIZE=str(c.local_world_size),
+            MASTER_ADDR=host.strip("[]") or "127.0.0.1",
+            MASTER_PORT=port or os.environ.get("MASTER_PORT", ""),
+        )
+        init_torch()
+    return c
+
+
+def export_model(trainer: Any, uri: str | None = None) -> str:
+    """``trainer.save_model`` to ``uri`` (default ``AIP_MODEL_DIR``), ``gs://`` and ``/gcs/`` included.
+
+    Every rank must call it (the Trainer gathers sharded weights); the chief uploads. Returns ``uri``.
+
+    Example:
+        >>> export_model(trainer)          # gs://bucket/job/model/{config.json,model.safetensors}
+    """
+    from vertexrt.env import environment
+
+    uri = (uri or environment().model_dir).rstrip("/")
+    if paths.storage_kind(uri) == "local":
+        trainer.save_model(uri)
+        return uri
+    with tempfile.TemporaryDirectory(prefix="vertexrt-hf-model-") as local:
+        trainer.save_model(local)
+        if trainer.is_world_process_zero():
+            paths.upload(local, uri)
+        _barrier()
+    return uri
+
+
+class VertexTrainerCallback(TrainerCallback):
+    """Preemption-safe checkpoints in ``output_dir``, resumption and hypertune for ``transformers.Trainer``.
+
+    Args:
+        output_dir: where committed checkpoints live (local, ``/gcs/...`` or ``gs://...``); default
+            ``vertexrt.env.environment().checkpoint_dir`` (``AIP_CHECKPOINT_DIR``).
+        staging_dir: the local directory the Trainer writes to when ``output_dir`` is not local (default: one
+            per output directory and rank under the system temp dir); ignored for a local ``output_dir``.
+        metric: the hyperparameter-tuning metric tag; default ``TrainingArguments.metric_for_best_model``.
+
+    Example:
+        >>> vertex = VertexTrainerCallback("gs://bucket/run/checkpoints")
+        >>> trainer = Trainer(model, TrainingArguments(**vertex.training_arguments()), callbacks=[vertex])
+    """
+
+    def __init__(
+        self, output_dir: str | None = None, *, staging_dir: str | None = None, metric: str | None = None
+    ) -> None:
+        if output_dir is None:
+            from vertexrt.env import environment
+
+            output_dir = environment().checkpoint_dir
+        self.output_dir = str(output_dir).rstrip("/")
+        self.remote = paths.storage_kind(self.output_dir) != "local"
+        self._staging = staging_dir
+        self.metric = metric
+        self._preemption: Any = None  # a vertexrt.runtime.vote.PreemptionAgreement while training
+        self._stopping = False
+
+    @property
+    def local_dir(self) -> str:
+        """Where the Trainer writes (``TrainingArguments.output_dir``): ``output_dir`` itself when local."""
+        if not self.remote:
+            return self.output_dir
+        if self._staging is not None:
+            return self._staging
+        from vertexrt.distributed import world_info
+
+        digest = hashlib.sha256(self.output_dir.encode()).hexdigest()[:16]
+        return os.path.join(tempfile.gettempdir(), "vertexrt-hf", digest, f"rank-{world_info().rank}")
+
+    def training_arguments(self, **overrides: Any) -> dict[str, Any]:
+        """``TrainingArguments`` keyword arguments for this job, ``overrides`` last.
+
+        Joins ``torch.distributed`` first (:func:`setup_distributed`) so accelerate sees the job's world.
+        Sets ``TENSORBOARD_LOGGING_DIR`` (read by the Trainer's TensorBoard reporter) to
+        ``AIP_TENSORBOARD_LOG_DIR`` when it is a local or ``/gcs/`` path.
+
+        Example:
+            >>> TrainingArguments(**vertex.training_arguments(per_device_train_batch_size=8))
+        """
+        import torch
+
+        from vertexrt.env import environment
+
+        c = setup_distributed()
+        logs = environment().tensorboard_log_dir
+        if paths.storage_kind(logs) != "gcs":
+            os.environ.setdefault("TENSORBOARD_LOGGING_DIR", logs)
+        fields: dict[str, Any] = {"output_dir": self.local_dir, "use_cpu": not torch.cuda.is_available()}
+        if c.world_size > 1:
+            fields["ddp_backend"] = "nccl" if torch.cuda.is_available() else "gloo"
+        fields.update(overrides)
+        return fields
+
+    # -- resumption ---------------------------------------------------------------------------------
+
+    def complete_steps(self) -> list[int]:
+        """The steps under ``output_dir`` whose completion marker is present and names them, sorted."""
+        fs, root = paths.filesystem(self.output_dir)
+        if not fs.exists(root):
+            return []
+        steps = []
+        for entry in fs.ls(root, detail=False):
+            found = _CHECKPOINT.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
+            if found and self._marker_step(int(found.group(1))) == int(found.group(1)):
+                steps.append(int(found.group(1)))
+        return sorted(steps)
+
+    def resume_from_checkpoint(self) -> str | None:
+        """The newest complete checkpoint as a local directory for ``trainer.train(resume_from_checkpoint=)``,
+        downloaded from ``output_dir`` when that is remote; None on a fresh start. Call it on every rank."""
+        steps = self.complete_steps()
+        if not steps:
+            return None
+        name = f"checkpoint-{steps[-1]}"
+        if not self.remote:
+            return paths.join(self.output_dir, name)
+        local = os.path.join(self.local_dir, name)
+        shutil.rmtree(local, ignore_errors=True)  # a partial copy from an earlier attempt on this machine
+        paths.download(paths.join(self.output_dir, name), local)
+        log.info("resuming from %s (downloaded to %s)", paths.join(self.output_dir, name), local)
+        return local
+
+    def _marker_step(self, step: int) -> int | None:
+        marker = paths.join(self.output_dir, f"checkpoint-{step}", MARKER)
+        try:
+            with paths.open(marker, "rb") as f:
+                value = json.loads(f.read(4096)).get("step")
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # a torn or foreign marker: the step is not complete
+            log.warning("ignoring checkpoint-%d: unreadable marker %s (%s)", step, paths.redact(marker), exc)
+            return None
+        return value if isinstance(value, int) else None
+
+    # -- Trainer events -------------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if os.path.abspath(args.output_dir) != os.path.abspath(self.local_dir):
+            raise ConfigError(
+                f"VertexTrainerCallback: TrainingArguments(output_dir={args.output_dir!r}) but the callback "
+                f"expects {self.local_dir!r}; build the arguments with "
+                "TrainingArguments(**callback.training_arguments(...))"
+            )
+        from vertexrt.runtime.vote import PreemptionAgreement
+
+        self._preemption = PreemptionAgreement()
+        self._stopping = False
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._preemption is None or not self._preemption():
+            return
+        log.warning("preemption notice: saving checkpoint-%d, then exiting", state.global_step)
+        self._stopping = True
+        control.should_save = True
+        control.should_training_stop = True
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._commit(state.global_step, state.is_world_process_zero, args.save_total_limit)
+        if self._stopping:
+            from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE
+
+            log.warning("checkpoint-%d committed: exiting %d", state.global_step, PREEMPTED_EXIT_CODE)
+            self._release()
+            raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, metrics: Any = None, **kwargs: Any) -> None:
+        tag = self.metric or args.metric_for_best_model
+        if tag is None or not state.is_world_process_zero:
+            return
+        metrics = metrics or {}
+        key = tag if tag in metrics else f"eval_{tag}"
+        if key not in metrics:
+            raise ConfigError(
+                f"VertexTrainerCallback: metric {tag!r} (metric_for_best_model) is not among the evaluation "
+                f"metrics {sorted(metrics)}; name one of them"
+            )
+        from vertexrt import hypertune
+
+        hypertune.report(tag, float(metrics[key]), step=state.global_step)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._release()
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _commit(self, step: int, chief: bool, keep: int | None) -> None:
+        name = f"checkpoint-{step}"
+        target = paths.join(self.output_dir, name)
+        if self.remote:
+            if chief:
+                self._remove_marker(step)  # un-commit a step saved again before its files change
+            local = os.path.join(self.local_dir, name)
+            if os.path.isdir(local):
+                paths.upload(local, target)  # rank 0: weights, optimizer, state; each rank: its RNG state
+        _barrier()  # every rank's files are in place
+        if chief:
+            with paths.open(paths.join(target, MARKER), "wb") as f:
+                f.write(json.dumps({"step": step}).encode())
+            if self.remote and keep:
+                for old in self.complete_steps()[:-keep]:
+                    self._remove_marker(old)
+                    fs, root = paths.filesystem(paths.join(self.output_dir, f"checkpoint-{old}"))
+                    fs.rm(root, recursive=True)
+        _barrier()  # nobody exits before the marker is written
+        log.info("committed %s", paths.redact(target))
+
+    def _remove_marker(self, step: int) -> None:
+        fs, marker = paths.filesystem(paths.join(self.output_dir, f"checkpoint-{step}", MARKER))
+        if fs.exists(marker):
+            fs.rm(marker)
+
+    def _release(self) -> None:
+        preemption, self._preemption = self._preemption, None
+        if preemption is not None:
+            preemption.close()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

@@ -1,0 +1,149 @@
+"""local-run with real process trees: nothing outlives the job (daemons, a killed launcher), and output is
+relayed as it arrives, partial lines included."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from vertexrt.distributed.launcher import OutputRelay
+
+from .conftest import CLUSTER_VARIABLES, MARK, marked_processes
+
+pytestmark = pytest.mark.slow
+
+
+def _launcher(tmp_path: Path, *command: str, stdout=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
+    marker = uuid.uuid4().hex
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    env.update({MARK: marker, "PYTHONUNBUFFERED": "1"})
+    argv = [sys.executable, "-m", "vertexrt.distributed.launcher", "--grace", "1", "--", *command]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=stdout, stderr=subprocess.STDOUT)
+    return proc, marker
+
+
+def _wait_for(predicate, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def _cleanup(proc: subprocess.Popen, marker: str) -> list[int]:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    left = marked_processes(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_a_daemon_that_left_the_process_group_does_not_survive_the_job(local_run) -> None:
+    # `setsid` leaves the replica's process group (and session): killpg alone never reaches it.
+    script = "setsid sleep 300 & setsid sh -c 'sleep 301 & wait' & echo started"
+    run = local_run("--", "bash", "-c", script, timeout=60)  # fails the test if any process is left
+    assert run.returncode == 0, run.output
+    assert "[workerpool0-0] started" in run.output
+
+
+def test_nothing_survives_a_sigkilled_launcher(tmp_path) -> None:
+    log = tmp_path / "out.log"
+    script = "sleep 300 & setsid sleep 301 & (trap '' TERM; sleep 302) & echo started; wait"
+    with log.open("wb") as out:
+        proc, marker = _launcher(tmp_path, "bash", "-c", script, stdout=out)
+    try:
+        assert _wait_for(lambda: b"[workerpool0-0] started" in log.read_bytes()), log.read_text()
+        assert len(marked_processes(marker)) >= 5  # launcher, watchdog, bash, three sleeps
+        proc.kill()  # no teardown can run in the launcher itself
+        proc.wait()
+        assert _wait_for(lambda: not marked_processes(marker)), [
+            Path(f"/proc/{p}/cmdline").read_bytes() for p in marked_processes(marker)
+        ]
+    finally:
+        assert not _cleanup(proc, marker)
+
+
+def test_partial_lines_are_relayed_before_the_replica_writes_a_newline(tmp_path) -> None:
+    go = tmp_path / "go"
+    code = (
+        "import os, sys, time\n"
+        "for i in range(43): sys.stdout.write(f'\\rprogress {i}%'); sys.stdout.flush()\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+        "print(' done')\n"
+    )
+    proc, marker = _launcher(tmp_path, sys.executable, "-c", code)
+    seen = b""
+    try:
+        fd = proc.stdout.fileno()  # type: ignore[union-attr]
+        os.set_blocking(fd, False)
+
+        def read() -> bool:
+            nonlocal seen
+            try:
+                seen += os.read(fd, 1 << 16)
+            except BlockingIOError:
+                pass
+            return b"[workerpool0-0] progress 42%" in seen
+
+        assert _wait_for(read), seen  # still no newline from the replica
+        go.touch()
+        proc.wait(60)
+        seen += proc.stdout.read()  # type: ignore[union-attr]
+    finally:
+        assert not _cleanup(proc, marker)
+    assert proc.returncode == 0, seen
+    assert b"\r[workerpool0-0] progress 1%\r[workerpool0-0] progress 2%" in seen
+    assert b"[workerpool0-0] progress 42% done\n" in seen
+
+
+def test_relay_prefixes_every_line_and_holds_back_at_most_one_bounded_line() -> None:
+    out = io.BytesIO()
+    relay = OutputRelay(out)
+    bar = b"".join(b"\r%3d%%|%s|" % (i, b"#" * (i // 10)) for i in range(101))
+    for start in range(0, len(bar), 7):  # arbitrary read boundaries
+        relay.feed("chief", bar[start : start + 7])
+    relay.feed("chief", b"\r\n")
+    lines = out.getvalue().split(b"\r")
+    assert lines[0] == b"[chief] " and all(line.startswith(b"[chief] ") for line in lines[1:])
+    assert out.getvalue().replace(b"[chief] ", b"") == bar + b"\r\n"
+
+    out.seek(0), out.truncate()
+    relay.feed("chief", b"x" * (1 << 16))  # no newline, but 64 KiB: written at once
+    assert out.getvalue() == b"[chief] " + b"x" * (1 << 16)
+    relay.feed("worker-0", b"a line\r")  # another replica: the open line is closed first
+    relay.feed("worker-0", b"\nnext")  # \r\n split across two reads is one line end
+    relay.feed("chief", b"y")
+    assert out.getvalue().endswith(b"x\n[worker-0] a line\r\n")  # "next" and "y" wait for their ends
+    relay.flush(older_than=0)  # ... but not for long
+    relay.interrupt()
+    relay.feed("chief", b"z\n")
+    relay.close("chief")
+    relay.close("worker-0")
+    assert out.getvalue().endswith(b"\r\n[chief] y\n[worker-0] next\n[chief] z\n")
+
+
+def test_the_reaper_forgets_the_sessions_of_a_finished_attempt() -> None:
+    # The reaper's session list only grew: after a whole-job restart, a session id of the first attempt
+    # (a pid, free for reuse once its processes are gone) still got SIGKILLed when the launcher exited.
+    bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)  # its pid leads its session
+    try:
+        reaper = subprocess.Popen(
+            [sys.executable, "-m", "vertexrt.distributed.reaper", uuid.uuid4().hex], stdin=subprocess.PIPE
+        )
+        reaper.communicate(f"session {bystander.pid}\nend {bystander.pid}\n".encode(), timeout=30)
+        assert reaper.returncode == 0
+        assert bystander.poll() is None, "the reaper killed a session it had been told was over"
+    finally:
+        bystander.kill()
+        bystander.wait()

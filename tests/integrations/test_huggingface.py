@@ -1,0 +1,182 @@
+"""The Hugging Face Trainer through vertexrt: checkpoints committed (marker last) to a local directory or a
+bucket on the GCS server, preemption saves and exits 143, resumption gives the weights of an uninterrupted
+run, hypertune gets metric_for_best_model; and the example as a preempted 2-replica job under local-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="the huggingface extra (transformers) is not installed")
+pytest.importorskip("accelerate", reason="the huggingface extra (accelerate) is not installed")
+import torch  # noqa: E402
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from vertexrt import paths  # noqa: E402
+from vertexrt.errors import ConfigError  # noqa: E402
+from vertexrt.integrations.huggingface import MARKER, VertexTrainerCallback, export_model  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
+
+
+class Regression(torch.nn.Module):
+    """A model the Trainer can train: returns {"loss": ...}; dropout exercises the restored RNG state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": torch.nn.functional.mse_loss(self.net(x).squeeze(-1), labels)}
+
+
+class Points(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, n: int = 96, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 4, generator=g)
+        self.y = self.x.sum(dim=1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+class SigtermAt(TrainerCallback):
+    """Sends this process SIGTERM at the end of ``step`` (Vertex's preemption notice)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def train(vertex: VertexTrainerCallback, *extra: TrainerCallback, resume: str | None = None) -> Trainer:
+    args = TrainingArguments(
+        **vertex.training_arguments(
+            max_steps=12, per_device_train_batch_size=8, save_steps=4, save_total_limit=2, seed=0,
+            data_seed=0, dataloader_num_workers=0, report_to="none", disable_tqdm=True, learning_rate=1e-2,
+            eval_strategy="steps", eval_steps=6, metric_for_best_model="loss",
+        )
+    )  # fmt: skip
+    torch.manual_seed(0)
+    trainer = Trainer(model=Regression(), args=args, train_dataset=Points(), eval_dataset=Points(32, seed=1),
+                      callbacks=[*extra, vertex])  # fmt: skip
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+@pytest.fixture
+def job(clean_env: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TENSORBOARD_LOGGING_DIR"):
+        monkeypatch.setenv(name, "")  # recorded, so that what the callback exports is undone after the test
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("CLOUD_ML_HP_METRIC_FILE", str(tmp_path / "hypertune" / "output.metrics"))
+    return tmp_path
+
+
+def test_preempted_run_commits_exits_143_and_resumes_to_the_uninterrupted_weights(
+    job: Path, storage_root: str
+) -> None:
+    reference = train(VertexTrainerCallback(str(job / "reference"), metric="loss"))
+    reports = [json.loads(line) for line in (job / "hypertune" / "output.metrics").read_text().splitlines()]
+    assert [(r["global_step"], "loss" in r) for r in reports] == [("6", True), ("12", True)]
+
+    output = paths.join(storage_root, "checkpoints")
+    first = VertexTrainerCallback(output, staging_dir=str(job / "attempt1"))
+    with pytest.raises(SystemExit) as stopped:
+        train(first, SigtermAt(6))  # not a save step: the notice forces one
+    assert stopped.value.code == 143
+    assert first.complete_steps() == [4, 6]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the original handler is back
+
+    second = VertexTrainerCallback(output, staging_dir=str(job / "attempt2"))  # a fresh machine
+    resume = second.resume_from_checkpoint()
+    assert resume is not None and resume.endswith("checkpoint-6") and os.path.isfile(f"{resume}/{MARKER}")
+    resumed = train(second, resume=resume)
+    assert resumed.state.global_step == 12
+    expected, got = reference.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)  # bitwise
+    assert second.complete_steps() == [8, 12]  # save_total_limit=2 applies to output_dir too (remote or not)
+
+
+def test_resume_skips_a_step_without_a_valid_marker(job: Path, storage_root: str) -> None:
+    output = paths.join(storage_root, "ckpt")
+    vertex = VertexTrainerCallback(output, staging_dir=str(job / "stage"))
+    trainer = train(vertex)
+    assert vertex.complete_steps() == [8, 12]
+    model = export_model(trainer, paths.join(storage_root, "model"))
+    with paths.open(paths.join(model, "model.safetensors"), "rb") as f:
+        assert len(f.read()) > 0
+    with paths.open(paths.join(output, "checkpoint-12", MARKER), "wb") as f:
+        f.write(b'{"step": 1')  # torn
+    fs, uncommitted = paths.filesystem(paths.join(output, "checkpoint-8", MARKER))
+    fs.rm(uncommitted)
+    with paths.open(paths.join(output, "checkpoint-4", "config.json"), "wb") as f:
+        f.write(b"{}")  # the files of a step that never got its marker
+    assert vertex.complete_steps() == []
+    assert VertexTrainerCallback(output, staging_dir=str(job / "other")).resume_from_checkpoint() is None
+
+
+def test_training_arguments_and_the_callback_must_agree_on_output_dir(job: Path) -> None:
+    vertex = VertexTrainerCallback("gs://bucket/run/ckpt", staging_dir=str(job / "stage"))
+    fields = vertex.training_arguments(seed=3)
+    assert fields == {"output_dir": str(job / "stage"), "use_cpu": not torch.cuda.is_available(), "seed": 3}
+    assert os.environ["TENSORBOARD_LOGGING_DIR"].endswith(
+        "logs"
+    )  # the local fallback of AIP_TENSORBOARD_LOG_DIR
+    args = TrainingArguments(output_dir=str(job / "elsewhere"), report_to="none")
+    with pytest.raises(ConfigError, match="output_dir"):
+        vertex.on_train_begin(args, None, None)
+
+
+def run(command: list[str], cwd: Path, timeout: float = 500) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{command} did not finish in {timeout} s:\n{out[-5000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, "")
+
+
+def local_run(tmp: Path, base: str, launcher: list[str], args: list[str]) -> subprocess.CompletedProcess[str]:
+    job = ["local-run", "--workers", "2", "--base-output-dir", base, *launcher]
+    return run([sys.executable, "-m", "vertexrt.cli", *job, "--", sys.executable, str(EXAMPLE), *args], tmp)
+
+
+@pytest.mark.slow
+def test_example_two_replicas_preempted_resumes_to_the_same_weights(tmp_path: Path, gcs_server: Any) -> None:
+    started = time.monotonic()
+    reference = local_run(tmp_path, str(tmp_path / "reference"), [], ["--epochs", "1"])
+    assert reference.returncode == 0, reference.stdout[-5000:]
+    elapsed = time.monotonic() - started
+    # on the bucket: each replica stages locally and uploads its files; the first attempt holds at step 5
+    # (saves are at 10, 20, ...) until the SIGTERM; the ranks agree to stop a step or two later
+    bucket = f"gs://{gcs_server.bucket}/{tmp_path.name}"
+    preempted = local_run(tmp_path, bucket, ["--preempt-after", f"{elapsed + 5:.0f}", "--grace", "60"],
+                          ["--epochs", "1", "--hold-at-step", "5"])  # fmt: skip
+    out = preempted.stdout
+    assert preempted.returncode == 0, out[-5000:]
+    assert "preemption notice: saving" in out and "restarting the whole job" in out, out[-5000:]
+    assert "resuming from" in out and "done: 16 steps" in out, out[-5000:]
+    resumed_at = re.search(r"resuming from \S+checkpoint-(\d+)", out)
+    assert resumed_at and 5 <= int(resumed_at.group(1)) < 10, out[-5000:]  # the forced save, mid-epoch
+    expected = torch.load(tmp_path / "reference" / "model" / "model.pt")
+    with paths.open(f"{bucket}/model/model.pt", "rb") as f:
+        got = torch.load(f)
+    assert all(torch.equal(expected[k], got[k]) for k in expected)  # bitwise

@@ -1,0 +1,141 @@
+"""The hang watchdog: a process that stops beating is ended with its stacks in the log; one that beats, or
+never started beating, is left alone; a gloo job with a rank stuck in a collective fails fast and, with a
+restart, resumes from its checkpoint and finishes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vertexrt.errors import ConfigError
+from vertexrt.runtime.watchdog import DEFAULT_TIMEOUT, HANG_EXIT_CODE, TIMEOUT_VARIABLE, hang_timeout
+
+SCRIPTS = Path(__file__).parent / "scripts"
+VERTEXRT = str(Path(sys.executable).parent / "vertexrt")
+
+
+def _local_run(tmp_path: Path, *options: str, timeout: float) -> tuple[int, str]:
+    """``vertexrt local-run OPTIONS -- python hang_collective.py`` as a user runs it; returns (rc, output)."""
+    argv = [VERTEXRT, "local-run", "--grace", "3", *options]
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE")
+    }
+    proc = subprocess.Popen(
+        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's reaper ends the replicas
+        out, _ = proc.communicate()
+        pytest.fail(f"local-run did not finish in {timeout} s:\n{out.decode(errors='replace')[-4000:]}")
+    return proc.returncode, out.decode(errors="replace")
+
+
+def _run(mode: str, timeout: float, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / "hang.py"), mode, str(timeout)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+
+
+def test_timeout_comes_from_the_argument_the_environment_or_the_default(monkeypatch) -> None:
+    monkeypatch.delenv(TIMEOUT_VARIABLE, raising=False)
+    assert hang_timeout() == DEFAULT_TIMEOUT
+    monkeypatch.setenv(TIMEOUT_VARIABLE, "90")
+    assert hang_timeout() == 90.0
+    assert hang_timeout(5) == 5.0
+    for off in ("0", "off", "OFF "):
+        monkeypatch.setenv(TIMEOUT_VARIABLE, off)
+        assert hang_timeout() is None
+    assert hang_timeout(0) is None
+
+
+@pytest.mark.parametrize("value", ["soon", "-5", "nan", "inf", "1e12"])
+def test_a_bad_timeout_names_the_variable(monkeypatch, value: str) -> None:
+    monkeypatch.setenv(TIMEOUT_VARIABLE, value)
+    with pytest.raises(ConfigError, match=TIMEOUT_VARIABLE):
+        hang_timeout()
+
+
+def test_a_stuck_process_exits_with_the_hang_code_its_stacks_and_the_last_step(tmp_path) -> None:
+    done = _run("stuck", 1.0, tmp_path)
+    assert done.returncode == HANG_EXIT_CODE, done.stderr
+    assert "FINISHED" not in done.stdout
+    assert "ERROR" in done.stderr or "no training progress" in done.stderr
+    assert "replica workerpool0-0 rank 0 (last completed step: 3)" in done.stderr
+    assert "stuck_here" in done.stderr  # the main thread's stack, from faulthandler
+    assert "vertexrt-hang-watchdog" in done.stderr or "_fire" in done.stderr  # every thread's
+
+
+@pytest.mark.parametrize("mode", ["idle", "steady"])
+def test_a_process_that_beats_or_never_beat_is_left_alone(tmp_path, mode: str) -> None:
+    done = _run(mode, 1.0, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "FINISHED" in done.stdout
+    assert "no training progress" not in done.stderr
+
+
+def test_a_hang_holding_the_gil_is_ended_by_the_backstop(tmp_path) -> None:
+    done = _run("gil", 0.5, tmp_path)
+    assert done.returncode != 0
+    assert "FINISHED" not in done.stdout
+    assert "Timeout" in done.stderr and "hang.py" in done.stderr  # faulthandler's dump of the stuck frame
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_a_gloo_collective_fails_the_job_fast_with_stacks(tmp_path) -> None:
+    script = [sys.executable, str(SCRIPTS / "hang_collective.py"), "--timeout", "3"]
+    code, output = _local_run(tmp_path, "--workers", "2", "--", *script, timeout=180)
+    assert code == HANG_EXIT_CODE, output[-4000:]
+    chief = "\n".join(line for line in output.splitlines() if line.startswith("[workerpool0-0]"))
+    assert "no training progress" in chief and "(last completed step: 4)" in chief, output[-4000:]
+    assert "workerpool0-0 rank 0" in chief
+    assert "all_reduce" in chief  # the stuck frame in the stack dump
+    assert "gloo:all_reduce seq=5" in chief  # the flight recorder's newest collective
+    assert "RESULT" not in output
+
+
+@pytest.mark.slow
+def test_a_job_that_hung_once_resumes_from_its_checkpoint_and_finishes(tmp_path) -> None:
+    marker = tmp_path / "hung-once"
+    script = [sys.executable, str(SCRIPTS / "hang_collective.py"), "--timeout", "6", "--once", str(marker)]
+    code, output = _local_run(tmp_path, "--workers", "2", "--restarts", "1", "--", *script, timeout=240)
+    assert code == 0, output[-4000:]
+    assert marker.exists()
+    assert "no training progress" in output
+    results = {}
+    for line in output.splitlines():
+        label, _, rest = line.partition("] RESULT ")
+        if rest:
+            results[label.lstrip("[")] = json.loads(rest)
+    assert set(results) == {"workerpool0-0", "workerpool1-0"}, output[-4000:]
+    for record in results.values():
+        assert record["step"] == 8
+        assert record["first"] == 4  # resumed from the last checkpoint before the hang
+        assert record["total"] == 16.0  # every step's all_reduce counted once
+
+
+def test_the_trainer_feeds_the_process_watchdog(tmp_path) -> None:
+    env = dict(os.environ, VERTEXRT_HANG_TIMEOUT="2", VERTEXRT_LOCAL_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "stuck_trainer.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert done.returncode == HANG_EXIT_CODE, done.stderr[-3000:]
+    assert "FINISHED" not in done.stdout
+    assert "(last completed step: 3)" in done.stderr, done.stderr[-3000:]
+    assert "train_step" in done.stderr  # the stuck frame, from faulthandler
