@@ -11,6 +11,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from rank_exit import exit_after
 
 from vertexrt.checkpoint import CheckpointManager, EveryNSeconds, LastSave
 from vertexrt.errors import CheckpointError
@@ -85,4 +86,4 @@ def main(rank: int, world: int, port: int, root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    exit_after(lambda: main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))

@@ -93,7 +93,8 @@ def run_ranks(script: str, world: int, argv: Callable[[int, int], list[str]]) ->
     """Run ``script`` (beside this file) as ``world`` real processes, ``argv(rank, port)`` each with one free
     port for all; (returncode, stdout, stderr) per rank. Every process is killed if the test gives up."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    path = [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]  # tests/: rank_exit
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     command = [sys.executable, os.path.join(HERE, script)]
     procs = [
         subprocess.Popen(

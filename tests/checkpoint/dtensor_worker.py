@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from ckpt_helpers import assert_same_tree
+from rank_exit import exit_after
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from vertexrt.checkpoint import CheckpointManager
@@ -151,4 +152,4 @@ def main(mode: str, rank: int, world: int, port: int, root: str, out: str, expec
 if __name__ == "__main__":
     mode, rank, world, port, root, out = sys.argv[1:7]
     expected = int(sys.argv[7]) if len(sys.argv) > 7 else None
-    main(mode, int(rank), int(world), int(port), root, out, expected)
+    exit_after(lambda: main(mode, int(rank), int(world), int(port), root, out, expected))

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from rank_exit import exit_after
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import vertexrt
@@ -205,4 +206,4 @@ def main(rank: int, world: int, port: int, out: str, plan: list[str]) -> None:
 
 if __name__ == "__main__":
     rank, world, port, out = sys.argv[1:5]
-    main(int(rank), int(world), int(port), out, sys.argv[5:])
+    exit_after(lambda: main(int(rank), int(world), int(port), out, sys.argv[5:]))

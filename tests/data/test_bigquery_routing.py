@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rank_exit import exits_hard
 
 from vertexrt.data import BigQuery, open_dataset
 from vertexrt.data.bigquery_storage import create_session
@@ -254,6 +255,7 @@ def test_the_next_epoch_of_a_plain_iteration_renews_an_expiring_session_once(emu
 
 
 # -- two ranks -------------------------------------------------------------------------------------------
+@exits_hard
 def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 

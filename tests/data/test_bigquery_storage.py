@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from google.api_core import exceptions as gexc
+from rank_exit import exits_hard
 
 from vertexrt.data import BigQuery
 from vertexrt.data.bigquery_storage import StreamSource
@@ -216,6 +217,7 @@ def test_a_saved_session_is_checked_before_it_is_used(record: Any, key: str) -> 
     assert check_record(good) == good
 
 
+@exits_hard
 def _count_rank(rank: int, port: int, out: str) -> None:
     import datetime
     from pathlib import Path

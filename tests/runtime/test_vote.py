@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
+from rank_exit import exits_hard
 
 from vertexrt.runtime.vote import StopVote
 
 
+@exits_hard
 def _vote_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
@@ -33,6 +35,7 @@ def test_every_rank_stops_at_the_same_call(tmp_path: Path) -> None:
     assert (tmp_path / "rank1").read_text() == expected
 
 
+@exits_hard
 def _paced_worker(rank: int, port: int, out: str) -> None:
     import time
 
