@@ -5,7 +5,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
-HEAVY = ("torch", "tensorflow", "gcsfs", "fsspec", "google.cloud", "google.auth", "numpy", "pyarrow")
+HEAVY = (
+    "torch",
+    "tensorflow",
+    "lightning",
+    "transformers",
+    "gcsfs",
+    "fsspec",
+    "google.cloud",
+    "google.auth",
+    "numpy",
+    "pyarrow",
+)
 
 
 def _loaded_after(code: str) -> list[str]:
@@ -18,6 +29,10 @@ def _loaded_after(code: str) -> list[str]:
 
 def test_import_is_light():
     assert _loaded_after("import vertexrt") == []
+
+
+def test_integrations_package_is_light():
+    assert _loaded_after("import vertexrt.integrations") == []
 
 
 def test_environment_is_light():
