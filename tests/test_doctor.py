@@ -302,3 +302,26 @@ def test_a_writable_dir_that_refuses_deletes_is_not_reported_unwritable(append_o
     assert "is writable" in finding.what and "could not be deleted" in finding.what
     assert probe.name in finding.what
     assert "delete" in finding.fix
+
+
+@pytest.mark.parametrize("on_vertex", [False, True])
+def test_missing_credentials_file_is_named_fatal_locally_and_a_warning_on_vertex(
+    on_vertex, vertex_env, clean_env, monkeypatch, tmp_path
+):
+    missing = tmp_path / "no-such-key.json"
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(missing))
+    if on_vertex:
+        vertex_env(base_output_dir="gs://some-bucket/job")
+    else:
+        monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "my-project")
+    from vertexrt.env import environment
+
+    (finding,) = [
+        f
+        for f in doctor.credentials(environment(), ["gs://some-bucket/job/model"])
+        if f.check == "credentials"
+    ]
+    assert finding.severity == ("warning" if on_vertex else "fatal")
+    assert "no Google Cloud credentials" in finding.what and str(missing) in finding.what
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in finding.fix

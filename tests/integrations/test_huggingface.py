@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs import run_job
 
 pytest.importorskip("transformers", reason="the huggingface extra (transformers) is not installed")
 pytest.importorskip("accelerate", reason="the huggingface extra (accelerate) is not installed")
@@ -142,21 +143,10 @@ def test_training_arguments_and_the_callback_must_agree_on_output_dir(job: Path)
         vertex.on_train_begin(args, None, None)
 
 
-def run(command: list[str], cwd: Path, timeout: float = 500) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{command} did not finish in {timeout} s:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, "")
-
-
 def local_run(tmp: Path, base: str, launcher: list[str], args: list[str]) -> subprocess.CompletedProcess[str]:
     job = ["local-run", "--workers", "2", "--base-output-dir", base, *launcher]
-    return run([sys.executable, "-m", "vertexrt.cli", *job, "--", sys.executable, str(EXAMPLE), *args], tmp)
+    command = [sys.executable, "-m", "vertexrt.cli", *job, "--", sys.executable, str(EXAMPLE), *args]
+    return run_job(command, tmp, timeout=500)
 
 
 @pytest.mark.slow

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from jobs import run_job
 
 pytest.importorskip("lightning", reason="the lightning extra is not installed")
 import torch  # noqa: E402
@@ -84,23 +84,11 @@ def test_checkpoint_io_saves_through_the_manager_and_loads_by_step(tmp_path: Pat
         io.load_checkpoint(tmp_path / "last.ckpt")
 
 
-def run(command: list[str], cwd: Path, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{command} did not finish in {timeout} s:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, "")
-
-
 def local_run(
     tmp: Path, name: str, launcher: list[str], example: list[str]
 ) -> subprocess.CompletedProcess[str]:
     base = ["local-run", "--workers", "2", "--base-output-dir", str(tmp / name)]
-    return run(
+    return run_job(
         [
             sys.executable,
             "-m",
@@ -113,6 +101,7 @@ def local_run(
             *example,
         ],
         cwd=tmp,
+        timeout=400,
     )
 
 
@@ -122,6 +111,10 @@ def test_example_preempted_mid_epoch_resumes_to_the_same_weights(tmp_path: Path)
     reference = local_run(tmp_path, "reference", [], [])
     assert reference.returncode == 0, reference.stdout[-5000:]
     elapsed = time.monotonic() - started
+    # rank 0 reported the monitored metric to hypertune after each epoch's validation
+    reports = (tmp_path / "reference" / "hypertune" / "output.metrics").read_text().splitlines()
+    assert [json.loads(line)["global_step"] for line in reports] == ["16", "32", "48"], reports
+    assert all(float(json.loads(line)["val_loss"]) > 0 for line in reports), reports
     # the first attempt holds at step 20 (epoch 1 of 3) until the SIGTERM
     preempted = local_run(tmp_path, "preempted", ["--preempt-after", f"{elapsed + 5:.0f}", "--grace", "60"],
                           ["--hold-at-step", "20"])  # fmt: skip
@@ -154,7 +147,7 @@ def test_fabric_job_saves_and_resumes_through_vertexrt_to_the_same_weights(tmp_p
         script = Path(__file__).parent / "scripts" / "fabric_job.py"
         job = [sys.executable, str(script), str(tmp_path / directory), str(steps)]
         launcher = [sys.executable, "-m", "vertexrt.cli", "local-run", "--workers", "2", "--"]
-        done = run([*launcher, *job], cwd=tmp_path)
+        done = run_job([*launcher, *job], cwd=tmp_path, timeout=400)
         assert done.returncode == 0, done.stdout[-5000:]
         (line,) = [x for x in done.stdout.splitlines() if "RESULT " in x]
         return json.loads(line.split("RESULT ", 1)[1])

@@ -7,7 +7,6 @@ import io
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from jobs import run_job
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TORCH_EXAMPLE = EXAMPLES / "torch_classifier.py"
@@ -24,24 +24,8 @@ pytestmark = pytest.mark.slow
 
 
 def run(command: list[str], cwd: Path, timeout: float = 240, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` in its own process group; on timeout the whole group is killed."""
-    environ = {**os.environ, "VERTEXRT_LOG_FORMAT": "text", **env}
-    proc = subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=environ,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{command} did not finish in {timeout} s:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, "")
+    """``run_job`` with text logs (and ``env`` added to this environment)."""
+    return run_job(command, cwd, timeout, {**os.environ, "VERTEXRT_LOG_FORMAT": "text", **env})
 
 
 def local_run(

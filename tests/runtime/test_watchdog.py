@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from jobs import run_job
 
 from vertexrt.errors import ConfigError
 from vertexrt.runtime.watchdog import DEFAULT_TIMEOUT, HANG_EXIT_CODE, TIMEOUT_VARIABLE, hang_timeout
@@ -26,16 +26,8 @@ def _local_run(tmp_path: Path, *options: str, timeout: float) -> tuple[int, str]
     env = {
         k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE")
     }
-    proc = subprocess.Popen(
-        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's reaper ends the replicas
-        out, _ = proc.communicate()
-        pytest.fail(f"local-run did not finish in {timeout} s:\n{out.decode(errors='replace')[-4000:]}")
-    return proc.returncode, out.decode(errors="replace")
+    done = run_job(argv, tmp_path, timeout, env)
+    return done.returncode, done.stdout
 
 
 def _run(mode: str, timeout: float, tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -125,10 +117,14 @@ def test_a_job_that_hung_once_resumes_from_its_checkpoint_and_finishes(tmp_path)
         assert record["total"] == 16.0  # every step's all_reduce counted once
 
 
-def test_the_trainer_feeds_the_process_watchdog(tmp_path) -> None:
+@pytest.mark.parametrize(
+    "script, last_step",
+    [("stuck_trainer.py", 3), ("stuck_loop.py", 2)],  # Trainer.fit(), and ctx.step() in a plain loop
+)
+def test_the_trainer_and_ctx_step_feed_the_process_watchdog(tmp_path, script, last_step) -> None:
     env = dict(os.environ, VERTEXRT_HANG_TIMEOUT="2", VERTEXRT_LOCAL_DIR=str(tmp_path))
     done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "stuck_trainer.py")],
+        [sys.executable, str(SCRIPTS / script)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -137,5 +133,5 @@ def test_the_trainer_feeds_the_process_watchdog(tmp_path) -> None:
     )
     assert done.returncode == HANG_EXIT_CODE, done.stderr[-3000:]
     assert "FINISHED" not in done.stdout
-    assert "(last completed step: 3)" in done.stderr, done.stderr[-3000:]
+    assert f"(last completed step: {last_step})" in done.stderr, done.stderr[-3000:]
     assert "train_step" in done.stderr  # the stuck frame, from faulthandler

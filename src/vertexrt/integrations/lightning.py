@@ -28,6 +28,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 
 from vertexrt.distributed.model import Cluster
+from vertexrt.distributed.torch import destroy_at_exit
 from vertexrt.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class VertexEnvironment(ClusterEnvironment):
 
     def __init__(self) -> None:
         super().__init__()
+        destroy_at_exit()  # Lightning creates the process group; a clean exit tears it down first
         self._devices: int | None = None
         self._world_size: int | None = None
         self._rank: int | None = None

@@ -236,7 +236,11 @@ def _run(
             watch.stop()
         try:
             ctx.close(drain=not failed)
-            if owns_process_group and not failed:
+            if owns_process_group and failed:
+                from vertexrt.distributed.torch import mark_failed
+
+                mark_failed()  # peers may be mid-collective: no teardown at exit either
+            elif owns_process_group:
                 _destroy_process_group()
         finally:
             undo_logging()
