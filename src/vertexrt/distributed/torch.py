@@ -112,6 +112,10 @@ def init_torch(
     return _handle(dist, c, device)
 
 
+#: Whether the exit hook is registered, and whether this process failed (then the hook does nothing).
+_exit_state = {"registered": False, "failed": False}
+
+
 def destroy_at_exit() -> None:
     """Destroy the default process group when this process exits, unless it failed (registered once).
 
@@ -137,9 +141,6 @@ def destroy_at_exit() -> None:
 def mark_failed() -> None:
     """This process failed: :func:`destroy_at_exit` leaves its process group alone."""
     _exit_state["failed"] = True
-
-
-_exit_state = {"registered": False, "failed": False}
 
 
 def _destroy_unless_failed() -> None:
