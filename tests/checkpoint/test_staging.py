@@ -13,7 +13,7 @@ import torch
 
 from vertexrt.checkpoint import CheckpointManager, datafiles, staging
 from vertexrt.checkpoint.storage import MANIFEST, OsStore, step_name
-from vertexrt.errors import CheckpointError
+from vertexrt.errors import CheckpointError, ConfigError
 
 DTYPES = [
     torch.bfloat16,
@@ -102,8 +102,141 @@ def test_pinning_that_fails_falls_back_to_pageable_memory_with_a_warning(caplog)
     arena = staging.Arena()
     with caplog.at_level(logging.WARNING, logger="vertexrt.checkpoint.staging"):
         buf = arena.reserve(4096, pinned=True)
-    assert len(buf) == 4096 and not arena.pinned
+        arena.settle()
+        again = arena.reserve(4096, pinned=True)
+    assert len(buf) == 4096 and not arena.pinned and again is buf
     assert "could not pin 4096 bytes" in caplog.text and "pageable" in caplog.text
+    assert caplog.text.count("could not pin") == 1  # tried once, not on every save
+
+
+class _Registry:
+    """Stands in for cudaHostRegister / cudaHostUnregister (no CUDA here): records calls, pins nothing."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.calls: list[tuple[str, int, int]] = []  # (what, bytes or 0, thread id)
+        self.locked: dict[int, int] = {}
+
+    def register(self, address: int, nbytes: int) -> None:
+        if self.fail:
+            raise RuntimeError("cudaHostRegister failed with CUDA error 2")
+        self.calls.append(("register", nbytes, threading.get_ident()))
+        self.locked[address] = nbytes
+
+    def unregister(self, address: int) -> None:
+        self.calls.append(("unregister", self.locked.pop(address), threading.get_ident()))
+
+    @property
+    def pinned(self) -> int:
+        return sum(self.locked.values())
+
+
+GIB = 1 << 30
+
+
+def test_the_pinned_block_is_the_state_size_pinned_off_the_calling_thread_and_reused():
+    registry = _Registry()
+    arena = staging.Arena(registry, limit=lambda: 100 * GIB)
+    state = 40 * 1000**3 // 10**4 * 10 + 3 * 4096  # not a power of two
+    first = arena.reserve(state, pinned=True)
+    assert not arena.pinned and len(first) >= state  # the first save: pageable while the block is pinned
+    arena.settle()
+    assert [(what, size) for what, size, _ in registry.calls] == [("register", staging.page_rounded(state))]
+    assert registry.calls[0][2] != threading.get_ident()  # pinned on a background thread
+    second = arena.reserve(state, pinned=True)
+    assert arena.pinned and len(second) == state and not np.shares_memory(first, second)
+    assert arena.pinned_bytes == registry.pinned == staging.page_rounded(state) < 2 * state
+    assert arena.reserve(state - 4096, pinned=True) is second  # a smaller state: the same block
+    assert len(registry.calls) == 1
+
+
+def test_a_grown_state_unlocks_the_old_block_before_locking_a_new_one():
+    registry = _Registry()
+    arena = staging.Arena(registry, limit=lambda: GIB)
+    arena.reserve(10 * 4096, pinned=True)
+    arena.settle()
+    arena.reserve(10 * 4096, pinned=True)
+    assert registry.pinned == 10 * 4096
+    grown = arena.reserve(25 * 4096, pinned=True)
+    assert not arena.pinned and len(grown) >= 25 * 4096
+    arena.settle()
+    assert [(what, size) for what, size, _ in registry.calls] == [
+        ("register", 10 * 4096),
+        ("unregister", 10 * 4096),
+        ("register", 25 * 4096),
+    ]
+    assert len(arena.reserve(25 * 4096, pinned=True)) == 25 * 4096 and arena.pinned
+    assert registry.pinned == 25 * 4096  # never both blocks at once
+
+
+def test_release_unlocks_the_pinned_block():
+    registry = _Registry()
+    stager = staging.Stager(arena=staging.Arena(registry, limit=lambda: GIB))
+    stager.arena.reserve(5 * 4096 + 1, pinned=True)
+    stager.arena.settle()
+    assert registry.pinned == 6 * 4096
+    stager.close()
+    assert registry.pinned == 0 and stager.arena.pinned_bytes == 0
+    assert [what for what, _, _ in registry.calls] == ["register", "unregister"]
+
+
+def test_release_while_pinning_waits_for_the_block_and_unlocks_it():
+    registry = _Registry()
+    arena = staging.Arena(registry, limit=lambda: GIB)
+    arena.reserve(8 * 4096, pinned=True)
+    arena.release()
+    assert registry.pinned == 0 and [what for what, _, _ in registry.calls] == ["register", "unregister"]
+
+
+def test_a_state_over_the_pinned_limit_stays_pageable_with_a_warning_naming_the_variable(caplog):
+    registry = _Registry()
+    arena = staging.Arena(registry, limit=lambda: 16 * 4096)
+    with caplog.at_level(logging.WARNING, logger="vertexrt.checkpoint.staging"):
+        for _ in range(3):
+            buf = arena.reserve(17 * 4096, pinned=True)
+            arena.settle()
+    assert len(buf) == 17 * 4096 and not arena.pinned and registry.calls == []
+    assert caplog.text.count("VERTEXRT_PINNED_LIMIT") == 2 and "pageable" in caplog.text  # warned once
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("0", 0), ("123456", 123456), ("32GiB", 32 * GIB), ("8g", 8 * GIB), ("512 MiB", 512 << 20), ("1T", 1 << 40)],
+)
+def test_the_pinned_limit_reads_bytes_with_binary_suffixes(monkeypatch, value, expected):
+    monkeypatch.setenv("VERTEXRT_PINNED_LIMIT", value)
+    assert staging.pinned_limit() == expected
+
+
+@pytest.mark.parametrize("value", ["1.5G", "-3", "lots", "12 PB"])
+def test_a_malformed_pinned_limit_is_a_config_error_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("VERTEXRT_PINNED_LIMIT", value)
+    with pytest.raises(ConfigError, match="VERTEXRT_PINNED_LIMIT="):
+        staging.pinned_limit()
+
+
+def test_the_default_pinned_limit_is_a_share_of_host_memory_per_local_process(monkeypatch):
+    monkeypatch.delenv("VERTEXRT_PINNED_LIMIT", raising=False)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}.items():
+        monkeypatch.setenv(name, value)
+    memory = staging.host_memory()
+    assert 0 < memory <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert staging.pinned_limit() == int(memory * staging.PINNED_FRACTION) // 8
+
+
+def test_device_copies_of_optimizer_owned_leaves_are_queued_last():
+    jobs = [(0, "param", 0, True), (1, "buffer", 10, False), (2, "moment", 20, True), (3, "rng", 30, False)]
+    urgent, deferred = staging.copy_order(jobs)
+    assert [j[0] for j in urgent] == [1, 3] and [j[0] for j in deferred] == [0, 2]
+
+
+def test_a_conjugate_or_negative_view_target_is_not_filled_with_raw_bytes():
+    source = torch.randn(6, dtype=torch.complex64)
+    assert staging.byte_copyable(source, torch.zeros(6, dtype=torch.complex64))
+    assert not staging.byte_copyable(source, torch.zeros(6, dtype=torch.complex64).conj())
+    assert not staging.byte_copyable(source.real, torch.zeros(6)._neg_view())
+    assert not staging.byte_copyable(source, torch.zeros(3, 2, dtype=torch.complex64).t())
+    assert not staging.byte_copyable(source, torch.zeros(6, dtype=torch.complex128))
 
 
 class _Landing:

@@ -29,6 +29,7 @@ class Encoded:
     data: Any  # numpy.ndarray, 1-D uint8, C-contiguous; None while the bytes are still on ``device``
     owned: bool  # True when ``data`` is already a private copy (no snapshot needed)
     device: Any = None  # a flat uint8 torch tensor on an accelerator, staged to host by ``staging``
+    optimizer_owned: bool = False  # a saved optimizer's parameter / state: only its step() changes it
 
     @property
     def nbytes(self) -> int:
@@ -38,6 +39,11 @@ class Encoded:
 def is_torch_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
+
+
+def is_torch_optimizer(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.optim.Optimizer)
 
 
 def is_numpy(value: Any) -> bool:

@@ -37,11 +37,12 @@ def resolve(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def broadcast(value: Any, dist: Any | None) -> Any:
-    """Rank 0's ``value`` on every rank (no-op without torch.distributed)."""
+    """Rank 0's ``value`` on every rank (no-op without torch.distributed), on the CPU side group (never the
+    GPU)."""
     if dist is None or dist.get_world_size() == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=cpu_group(dist))
     return box[0]
 
 
@@ -60,11 +61,14 @@ def all_gather(value: Any, dist: Any | None) -> list[Any]:
 
 
 def all_max(values: list[int], dist: Any | None) -> list[int]:
-    """The element-wise maximum of ``values`` over all ranks (one blocking all-reduce)."""
+    """The element-wise maximum of ``values`` over all ranks (one blocking all-reduce of a CPU tensor on the
+    CPU side group: never the GPU)."""
     if dist is None or dist.get_world_size() == 1:
         return list(values)
-    tensor = _tensor(values, dist)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    import torch
+
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=cpu_group(dist))
     return [int(v) for v in tensor.tolist()]
 
 
@@ -98,13 +102,6 @@ class LateBroadcast:
     def drain(self) -> None:
         """Wait for the broadcast in flight (before the process group goes away)."""
         self.result()
-
-
-def _tensor(values: list[int], dist: Any) -> Any:
-    import torch
-
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 _CPU_GROUP: list[Any] = []  # [default group, its gloo side group] once created

@@ -213,7 +213,7 @@ class CheckpointManager:
             return False
         self.wait()
         if dcp.holds_dtensors(state):  # sharded (DTensor) state: every rank writes its shards via DCP
-            dcp.save(self, step, state, _metrics(metrics), overwrite)
+            dcp.save(self, step, state, _read_metrics(_metrics(metrics)), overwrite)
             self._last = (step, time.time())
             return True
         dist = collective.torch_dist()
@@ -382,12 +382,13 @@ class CheckpointManager:
         tree: Any,
         nodes: list[dict[str, Any]],
         buffers: list[Any],
-        metrics: dict[str, float],
+        metrics: dict[str, Any],
         token: str,
         shard: int | None,
         overwrite: bool,
     ) -> None:
         strategy = self._strategy
+        metrics = _read_metrics(metrics)  # device metrics: read here, after the state's copies
         write_dir = strategy.begin(step, token)
         prefix = f"data.{token}.s{0 if shard is None else shard}"
         try:
@@ -465,14 +466,55 @@ class CheckpointManager:
             raise CheckpointError(f"the CheckpointManager for {self.directory} is closed")
 
 
-def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    out = {}
+def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The metrics as floats, or :class:`_TensorMetric` snapshots for tensors (read later, without a sync)."""
+    from vertexrt.checkpoint import adapters
+
+    out: dict[str, Any] = {}
     for key, value in (metrics or {}).items():
+        if adapters.is_torch_tensor(value):
+            out[str(key)] = _TensorMetric(str(key), value)
+            continue
         try:
-            out[str(key)] = float(value.item() if hasattr(value, "item") else value)
+            out[str(key)] = float(value)
         except (TypeError, ValueError):
             raise CheckpointError(f"metrics[{key!r}] = {value!r} is not a number") from None
     return out
+
+
+def _read_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    return {key: float(value) for key, value in metrics.items()}
+
+
+class _TensorMetric:
+    """A one-element tensor metric copied to host memory without waiting for the GPU; ``float()`` reads it.
+
+    A CUDA value is copied non-blocking into pinned memory behind an event on its stream; ``float()`` (on the
+    writer) waits for that event only, never on the training thread's ``save()``.
+    """
+
+    def __init__(self, key: str, value: Any) -> None:
+        import torch
+
+        if value.numel() != 1 or value.is_complex():
+            raise CheckpointError(
+                f"metrics[{key!r}] is a tensor of shape {list(value.shape)} and dtype {value.dtype}; "
+                "pass one real number per metric"
+            )
+        self.event: Any = None
+        source = value.detach().reshape(())
+        if source.device.type == "cuda":
+            self.host = torch.empty((), dtype=source.dtype, pin_memory=True)
+            self.host.copy_(source, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(source.device))
+        else:
+            self.host = source.to("cpu", copy=True)
+
+    def __float__(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()
+        return float(self.host)
 
 
 def _quietly(fn: Any, *args: Any) -> None:

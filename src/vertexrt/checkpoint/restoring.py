@@ -112,9 +112,11 @@ def check_files(strategy: Strategy, step: int, manifest: dict[str, Any]) -> None
 def decode(loaded: Loaded, target: Any, device: Any = None) -> Any:
     """The state tree of a verified step; loaded into ``target``'s live objects when given.
 
-    Torch leaves go to ``device`` when given; else, without ``target``, to the device they were saved
-    from (CPU, with a warning, when that device is not here). Live CUDA targets are filled through pinned
-    bounce buffers with non-blocking copies.
+    Torch leaves that are model or optimizer data go to ``device`` when given; else, without ``target``, to
+    the GPU they were saved from, as seen from this process (:func:`saved_cuda_index`; CPU, with a warning,
+    on a machine without CUDA). RNG states and optimizer step counters stay on the CPU (:func:`moves`). Live
+    CUDA targets are filled through pinned bounce buffers, each copy queued on the current stream before the
+    target is read.
 
     Raises:
         CheckpointError: ``device`` is not a device of this machine.
@@ -122,25 +124,61 @@ def decode(loaded: Loaded, target: Any, device: Any = None) -> Any:
     from vertexrt.checkpoint import adapters, staging
 
     by_node = {id(node): buffer for node, buffer in zip(loaded.nodes, loaded.buffers, strict=True)}
-    place = _Placement(device, follow_saved=target is None, step=loaded.step)
+    places = serialization.leaf_places(loaded.body["tree"])
+    recorded = (_cuda_index(str(node["device"])) for node in loaded.nodes if node.get("device"))
+    saved = {index for index in recorded if index is not None}
+    placement = _Placement(device, follow_saved=target is None, step=loaded.step, saved_indices=saved)
 
     def values(node: dict[str, Any]) -> Any:
-        value = adapters.value(node["t"], node, by_node[id(node)])
-        return place(node, value) if node["t"] == "torch" else value
+        return adapters.value(node["t"], node, by_node[id(node)])
+
+    def place(node: dict[str, Any], value: Any) -> Any:
+        if node["t"] != "torch" or not moves(*places[id(node)], value):
+            return value
+        return placement(node, value)
 
     with staging.uploads():
         if target is None:
-            return serialization.decode(loaded.body["tree"], values)
-        return serialization.decode(loaded.body["tree"], values, target)
+            return serialization.decode(loaded.body["tree"], values, place=place)
+        return serialization.decode(loaded.body["tree"], values, target, place)
+
+
+#: The class of :func:`vertexrt.checkpoint.rng_state`'s object, as a checkpoint's tree names it.
+RNG_STATE_CLASS = "vertexrt.checkpoint.rng.RngState"
+
+
+def moves(owner: str | None, keys: tuple[Any, ...], value: Any) -> bool:
+    """Whether a restored tensor goes to the asked / saved device: model and optimizer data do; the RNG
+    state (a CPU ByteTensor ``torch.set_rng_state`` requires) and an optimizer's ``state[i]['step']``
+    counter (torch keeps it where it is given, and a CUDA one costs a GPU sync per parameter per step
+    unless the optimizer is fused or capturable, which move it themselves) stay on the CPU."""
+    if owner == RNG_STATE_CLASS:
+        return False
+    is_step = len(keys) >= 3 and keys[-1] == "step" and keys[-3] == "state"
+    return not (is_step and getattr(value, "ndim", None) == 0)
+
+
+def saved_cuda_index(saved: int | None, saved_indices: set[int], current: int, count: int) -> int:
+    """The local GPU a tensor saved on ``cuda:saved`` is restored to.
+
+    A process that saved everything on one GPU restores on its current device
+    (``torch.cuda.current_device()``): eight processes that each saved from their own ``cuda:k`` each get
+    their own device back, not ``cuda:0``. State spread over several GPUs keeps its indices where this
+    process sees that many devices, else it goes to the current device.
+    """
+    if saved is None or len(saved_indices) <= 1 or saved >= count:
+        return current
+    return saved
 
 
 class _Placement:
     """Moves restored CPU tensors to the asked (or saved) device."""
 
-    def __init__(self, device: Any, *, follow_saved: bool, step: int) -> None:
+    def __init__(self, device: Any, *, follow_saved: bool, step: int, saved_indices: set[int]) -> None:
         self.asked = None if device is None else _device(device, f"restore(device={device!r})")
         self.follow_saved = follow_saved
         self.step = step
+        self.saved_indices = saved_indices
         self.warned = False
 
     def __call__(self, node: dict[str, Any], value: Any) -> Any:
@@ -166,8 +204,10 @@ class _Placement:
         except (RuntimeError, TypeError):
             where = None
         if where is not None and where.type == "cuda" and torch.cuda.is_available():
-            count = torch.cuda.device_count()
-            return where if where.index is None or where.index < count else torch.device("cuda")
+            index = saved_cuda_index(
+                where.index, self.saved_indices, torch.cuda.current_device(), torch.cuda.device_count()
+            )
+            return torch.device("cuda", index)
         if not self.warned:
             self.warned = True
             log.warning(
@@ -177,6 +217,12 @@ class _Placement:
                 recorded,
             )
         return None
+
+
+def _cuda_index(recorded: str) -> int | None:
+    """The index of a recorded ``cuda:k`` device (None for a bare ``cuda`` or another device type)."""
+    kind, _, index = recorded.partition(":")
+    return int(index) if kind == "cuda" and index.isdigit() else None
 
 
 def _device(device: Any, what: str) -> Any:

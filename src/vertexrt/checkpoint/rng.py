@@ -12,9 +12,12 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class RngState:
@@ -38,6 +41,7 @@ class RngState:
             state["torch"] = torch.get_rng_state()
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 state["cuda"] = list(torch.cuda.get_rng_state_all())
+                state["cuda_current"] = torch.cuda.current_device()
         tf = sys.modules.get("tensorflow")
         if tf is not None and hasattr(tf, "random"):
             generator = tf.random.get_global_generator()
@@ -57,13 +61,53 @@ class RngState:
         if "torch" in state:
             import torch
 
-            torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
+            torch.set_rng_state(_cpu_bytes(state["torch"]))
             if "cuda" in state and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all([torch.as_tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+                chosen = cuda_states_to_set(
+                    len(state["cuda"]),
+                    state.get("cuda_current"),
+                    visible=torch.cuda.device_count(),
+                    current=torch.cuda.current_device(),
+                )
+                for device, saved in chosen.items():
+                    torch.cuda.set_rng_state(_cpu_bytes(state["cuda"][saved]), device)
         if "tensorflow" in state:
             import tensorflow as tf
 
             tf.random.get_global_generator().reset(state["tensorflow"]["state"])
+
+
+def cuda_states_to_set(
+    saved: int, saved_current: int | None, *, visible: int, current: int
+) -> dict[int, int]:
+    """Which saved CUDA generator state each visible GPU gets: ``{device: index into the saved list}``.
+
+    With as many GPUs visible as were saved, each gets its own. With fewer (e.g. saved with 8 visible,
+    restored with ``CUDA_VISIBLE_DEVICES`` showing one per process), the current device gets the state of
+    the device that was current at save time, the other visible ones theirs where saved; the states of GPUs
+    not visible here are skipped with a warning (never an ``IndexError`` that stops the resume).
+    """
+    if saved <= visible:
+        return {i: i for i in range(saved)}
+    chosen = {i: i for i in range(visible)}
+    if saved_current is not None and 0 <= saved_current < saved:
+        chosen[current] = saved_current
+    log.warning(
+        "the checkpoint holds CUDA RNG states of %d GPUs but %d are visible here: cuda:%d continues the "
+        "generator of the GPU that was current at save time (cuda:%s); the states of the others are skipped",
+        saved,
+        visible,
+        current,
+        saved_current if saved_current is not None else current,
+    )
+    return chosen
+
+
+def _cpu_bytes(value: Any) -> Any:
+    """A generator state as the CPU ByteTensor torch's setters require, wherever it was restored to."""
+    import torch
+
+    return torch.as_tensor(value).to(device="cpu", dtype=torch.uint8)
 
 
 def rng_state() -> RngState:

@@ -35,8 +35,49 @@ def encode(state: Any, *, allow_pickle: bool) -> tuple[Any, list[tuple[dict[str,
         CheckpointError: a value that cannot be saved, naming its path, e.g. ``state['opt']['fn']``.
     """
     leaves: list[tuple[dict[str, Any], Encoded]] = []
-    tree = _encode(state, ROOT, leaves, allow_pickle)
+    optimizers: list[Any] = []
+    tree = _encode(state, ROOT, leaves, allow_pickle, optimizers)
+    _mark_optimizer_owned([enc for _, enc in leaves], optimizers)
     return tree, leaves
+
+
+def _mark_optimizer_owned(encoded: list[Encoded], optimizers: list[Any]) -> None:
+    """Flag device leaves that are the very memory of a saved optimizer's parameters or state tensors."""
+    if not optimizers:
+        return
+    owned: set[int] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            owned.update(p.data_ptr() for p in group["params"] if p.device.type != "cpu")
+        for per_param in opt.state.values():
+            values = per_param.values() if isinstance(per_param, Mapping) else ()
+            owned.update(
+                v.data_ptr() for v in values if adapters.is_torch_tensor(v) and v.device.type != "cpu"
+            )
+    for enc in encoded:
+        if enc.data is None and enc.device.numel() and enc.device.data_ptr() in owned:
+            enc.optimizer_owned = True
+
+
+def leaf_places(tree: Any) -> dict[int, tuple[str | None, tuple[Any, ...]]]:
+    """For each byte-leaf node (by ``id``): the class of the nearest object with ``state_dict()`` around it
+    (None if none) and the keys / indices from that object (or the root) down to the leaf."""
+    places: dict[int, tuple[str | None, tuple[Any, ...]]] = {}
+    stack: list[tuple[Any, str | None, tuple[Any, ...]]] = [(tree, None, ())]
+    while stack:
+        node, owner, keys = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("t")
+        if kind in LEAF_KINDS:
+            places[id(node)] = (owner, keys)
+        elif kind == "dict":
+            stack.extend((v, owner, (*keys, k)) for k, v in zip(node["k"], node["v"], strict=True))
+        elif kind in CONTAINER_KINDS:
+            stack.extend((v, owner, (*keys, i)) for i, v in enumerate(node["v"]))
+        elif kind == "state":
+            stack.append((node["v"], node.get("cls"), ()))
+    return places
 
 
 def leaf_nodes(tree: Any) -> list[dict[str, Any]]:
@@ -57,12 +98,41 @@ def leaf_nodes(tree: Any) -> list[dict[str, Any]]:
     return found
 
 
-def decode(tree: Any, values: Callable[[dict[str, Any]], Any], target: Any = _MISSING) -> Any:
-    """Rebuild the state; ``values(node)`` gives a leaf's value. With ``target``, load into live objects."""
-    return _decode(tree, values, target, ROOT)
+def decode(
+    tree: Any,
+    values: Callable[[dict[str, Any]], Any],
+    target: Any = _MISSING,
+    place: Callable[[dict[str, Any], Any], Any] | None = None,
+) -> Any:
+    """Rebuild the state; ``values(node)`` gives a leaf's value. With ``target``, load into live objects.
+
+    ``place(node, value)``, when given, maps each leaf value that is not loaded into a live target leaf
+    (e.g. moves it to a device); leaves with a live target are copied into it straight from ``values``.
+    """
+    return _decode(tree, Leaves(values, place), target, ROOT)
 
 
-def _encode(value: Any, path: str, leaves: list[tuple[dict[str, Any], Encoded]], allow_pickle: bool) -> Any:
+class Leaves:
+    """How :func:`decode` gets leaf values: ``values(node)``, then ``place`` for leaves without a target."""
+
+    def __init__(
+        self, values: Callable[[dict[str, Any]], Any], place: Callable[[dict[str, Any], Any], Any] | None
+    ) -> None:
+        self.values = values
+        self.place = place
+
+    def free(self, node: dict[str, Any]) -> Any:
+        value = self.values(node)
+        return value if self.place is None else self.place(node, value)
+
+
+def _encode(
+    value: Any,
+    path: str,
+    leaves: list[tuple[dict[str, Any], Encoded]],
+    allow_pickle: bool,
+    optimizers: list[Any],
+) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -76,11 +146,11 @@ def _encode(value: Any, path: str, leaves: list[tuple[dict[str, Any], Encoded]],
                 raise CheckpointError(
                     f"{path}: key {key!r} of type {type(key).__name__} cannot be saved; use str or int keys"
                 )
-        items = [_encode(value[k], f"{path}[{k!r}]", leaves, allow_pickle) for k in keys]
+        items = [_encode(value[k], f"{path}[{k!r}]", leaves, allow_pickle, optimizers) for k in keys]
         return {"t": "dict", "k": keys, "v": items}
     if isinstance(value, (list, tuple)):
         kind = "list" if isinstance(value, list) else "tuple"
-        items = [_encode(v, f"{path}[{i}]", leaves, allow_pickle) for i, v in enumerate(value)]
+        items = [_encode(v, f"{path}[{i}]", leaves, allow_pickle, optimizers) for i, v in enumerate(value)]
         return {"t": kind, "v": items}
     try:
         encoded = _encode_leaf(value)
@@ -91,12 +161,15 @@ def _encode(value: Any, path: str, leaves: list[tuple[dict[str, Any], Encoded]],
         leaves.append((node, encoded))
         return node
     if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
-        inner = _encode(value.state_dict(), path, leaves, allow_pickle)
+        if adapters.is_torch_optimizer(value):
+            optimizers.append(value)
+        inner = _encode(value.state_dict(), path, leaves, allow_pickle, optimizers)
         return {"t": "state", "cls": _qualname(value), "v": inner}
     if adapters.is_keras_model(value):
         weights = value.get_weights()
         items = [
-            _encode(w, f"{path}.get_weights()[{i}]", leaves, allow_pickle) for i, w in enumerate(weights)
+            _encode(w, f"{path}.get_weights()[{i}]", leaves, allow_pickle, optimizers)
+            for i, w in enumerate(weights)
         ]
         return {"t": "keras", "cls": _qualname(value), "v": items}
     if allow_pickle:
@@ -125,7 +198,7 @@ def _encode_leaf(value: Any) -> Encoded | None:
     return None
 
 
-def _decode(node: Any, values: Callable[[dict[str, Any]], Any], target: Any, path: str) -> Any:
+def _decode(node: Any, values: Leaves, target: Any, path: str) -> Any:
     if not isinstance(node, dict):
         return node
     kind = node.get("t")
@@ -169,16 +242,15 @@ def _decode(node: Any, values: Callable[[dict[str, Any]], Any], target: Any, pat
             return target
         return weights
     if kind in LEAF_KINDS:
-        value = values(node)
-        return value if target is _MISSING or target is None else adapters.assign(target, value, path)
+        if target is _MISSING or target is None:
+            return values.free(node)
+        return adapters.assign(target, values.values(node), path)
     raise CheckpointError(
         f"{path}: unknown node kind {kind!r}: the checkpoint was written by a newer vertexrt"
     )
 
 
-def _decode_dict(
-    node: dict[str, Any], values: Callable[[dict[str, Any]], Any], target: Any, path: str
-) -> Any:
+def _decode_dict(node: dict[str, Any], values: Leaves, target: Any, path: str) -> Any:
     keys, items = node["k"], node["v"]
     if target is _MISSING or target is None or not isinstance(target, Mapping):
         return {k: _decode(v, values, _MISSING, f"{path}[{k!r}]") for k, v in zip(keys, items, strict=True)}

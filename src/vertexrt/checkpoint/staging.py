@@ -1,14 +1,24 @@
 """Host staging for checkpoints: leaves copied off the GPU (and out of live CPU memory) without stalling.
 
-A save stages its leaves into one reused host arena (pinned when any leaf is on a GPU, grown when the state
-grows). GPU leaves are copied with non-blocking copies on a side stream that first waits for the caller's
-stream; the caller's stream then waits for the copies before its next kernel, so the training step can
-mutate its tensors right after ``save()`` returns without the host ever waiting for the GPU. The writer
-calls :meth:`Staged.ready` on a leaf before it reads it, so a synchronous save checksums and writes leaf k
-while leaf k+1 is still being copied. Live CPU leaves (async saves) are copied in parallel chunks.
+A save stages its leaves into one reused host arena. When any leaf is on a GPU the arena is one block of
+host memory registered with CUDA (page-locked) of exactly the state's size, never rounded up to a power of
+two as torch's pinned allocator does, capped by ``VERTEXRT_PINNED_LIMIT`` (bytes; default a quarter of the
+host's memory shared by its local processes) and released by :meth:`Stager.close`. The block is pinned on a
+background thread: the first save (and a save whose state outgrew the block) uses pageable memory while it
+is being pinned, so no save waits seconds for the kernel to lock pages.
 
-A restore to the GPU goes through :class:`Uploader`: a few pinned bounce buffers filled by host threads,
-each emptied by a non-blocking host-to-device copy on the current stream.
+GPU leaves are copied with non-blocking copies on a side stream that first waits for the caller's stream.
+The caller's stream waits for those copies before its next kernel, except for the parameters and state of
+an optimizer saved in the same state: their copies overlap the next forward and backward passes, and the
+next ``step()`` of any torch optimizer waits for them on its stream (a global optimizer step pre-hook).
+Code that changes such a tensor in place before the next ``optimizer.step()`` must call the manager's
+``wait()`` first. The host never waits for the GPU. The writer calls :meth:`Staged.ready` on a leaf before it
+reads it, so a synchronous save checksums and writes leaf k while leaf k+1 is still being copied. Live CPU
+leaves (async saves) are copied in parallel chunks.
+
+A restore to the GPU goes through :class:`Uploader`: host threads fill a few pinned bounce buffers and the
+caller's thread queues each non-blocking host-to-device copy on the caller's stream before returning, so
+anything the caller queues next (``target.copy_``, ``load_state_dict``) runs after the bytes landed.
 
 Example:
     >>> stager = Stager()
@@ -20,12 +30,16 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import mmap
 import os
+import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
+
+from vertexrt.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +47,67 @@ log = logging.getLogger(__name__)
 CHUNK = 32 << 20
 #: Leaf offsets in the arena are multiples of this (fast DMA, cache-line aligned views).
 ALIGN = 4096
-#: The arena grows in steps of at least this fraction of its size (few re-allocations as state grows).
+#: A pageable arena grows in steps of at least this fraction of its size (few re-allocations as state grows).
 GROWTH = 0.25
+#: The environment variable capping the pinned host memory of one process's checkpoint staging.
+PINNED_LIMIT_VAR = "VERTEXRT_PINNED_LIMIT"
+#: Without ``VERTEXRT_PINNED_LIMIT``: this fraction of the host's memory, shared by its local processes.
+PINNED_FRACTION = 0.25
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def copy_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
+
+
+def page_rounded(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages: the host memory a pinned block of ``nbytes`` holds."""
+    page = mmap.PAGESIZE
+    return -(-nbytes // page) * page
+
+
+def pinned_limit() -> int:
+    """The most host memory (bytes) one process pins for checkpoint staging: ``VERTEXRT_PINNED_LIMIT``
+    (an integer, optionally with a K/M/G/T or KiB/MiB/GiB/TiB suffix, all powers of 1024; 0 = never pin),
+    else :data:`PINNED_FRACTION` of the host's memory divided by its local processes.
+
+    Raises:
+        ConfigError: ``VERTEXRT_PINNED_LIMIT`` is not a byte count.
+    """
+    raw = os.environ.get(PINNED_LIMIT_VAR, "").strip()
+    if raw:
+        match = re.fullmatch(r"(\d+)\s*([kmgt]?)(?:i?b)?", raw.lower())
+        if match is None:
+            raise ConfigError(
+                f"{PINNED_LIMIT_VAR}={raw!r} is not a byte count; use e.g. 34359738368, 32GiB or 0 "
+                "(never pin)"
+            )
+        return int(match.group(1)) * _UNITS[match.group(2)]
+    return int(host_memory() * PINNED_FRACTION) // _local_processes()
+
+
+def host_memory() -> int:
+    """This machine's memory in bytes, or the container's memory limit (cgroup v2 / v1) when lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def _local_processes() -> int:
+    from vertexrt.distributed import world_info
+    from vertexrt.errors import ClusterSpecError
+
+    try:
+        return max(1, world_info().local_world_size)
+    except ClusterSpecError:
+        return 1
 
 
 class Staged(list):  # type: ignore[type-arg]
@@ -55,66 +124,209 @@ class Staged(list):  # type: ignore[type-arg]
             event.synchronize()
 
 
-class Arena:
-    """One reused host buffer, pinned when asked and possible; pageable (with a warning) otherwise."""
+class CudaHostRegistry:
+    """Page-locks host memory for CUDA (``cudaHostRegister``) and unlocks it; the arena's only device call."""
 
-    def __init__(self) -> None:
-        self.array: Any = None  # numpy uint8 view of the buffer
-        self.tensor: Any = None  # the torch tensor owning it, when allocated through torch
+    def register(self, address: int, nbytes: int) -> None:
+        import torch
+
+        code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister failed with CUDA error {code}")
+
+    def unregister(self, address: int) -> None:
+        import torch
+
+        code = int(torch.cuda.cudart().cudaHostUnregister(address))
+        if code != 0:
+            log.warning("cudaHostUnregister failed with CUDA error %d: the pages stay locked", code)
+
+
+class PinnedBlock:
+    """``nbytes`` of anonymous host memory, page-locked through ``registry`` (raises when that fails)."""
+
+    def __init__(self, nbytes: int, registry: Any) -> None:
+        import numpy as np
+
+        self.nbytes = nbytes
+        self.registry = registry
+        self._map: mmap.mmap | None = mmap.mmap(-1, page_rounded(max(1, nbytes)))
+        self.array: Any = np.frombuffer(self._map, dtype=np.uint8, count=nbytes)
+        self.address = int(self.array.ctypes.data)
+        try:
+            registry.register(self.address, len(self._map))
+        except BaseException:
+            self.array = None
+            self._map.close()
+            raise
+        self.registered = True
+
+    def release(self) -> None:
+        """Unlock the pages and return them (views still alive keep the mapping, no longer locked)."""
+        if self.registered:
+            self.registered = False
+            self.registry.unregister(self.address)
+        self.array = None
+        mapping, self._map = self._map, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:  # a staged view outlives the block: the mapping goes with the last view
+                pass
+
+
+class Arena:
+    """One reused host buffer: pinned (a :class:`PinnedBlock` of the state's size) when asked and allowed.
+
+    ``reserve(n, pinned=True)`` returns the pinned block when one of at least ``n`` bytes is ready; else it
+    starts pinning a block of exactly ``n`` bytes on a background thread (when ``n`` is within
+    :func:`pinned_limit`) and returns pageable memory for this save.
+    """
+
+    def __init__(self, registry: Any = None, limit: Callable[[], int] = pinned_limit) -> None:
+        self.registry = registry if registry is not None else CudaHostRegistry()
+        self.limit = limit
+        self.array: Any = None  # numpy uint8 view of the buffer the last reserve returned
         self.pinned = False
+        self._pageable: Any = None
+        self._block: PinnedBlock | None = None
+        self._pinning: tuple[int, threading.Thread, list[Any]] | None = None  # (size, thread, [block|error])
+        self._warned: set[str] = set()
 
     def __len__(self) -> int:
         return 0 if self.array is None else len(self.array)
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes this arena holds page-locked now (whole pages)."""
+        blocks = [self._block] + ([self._pinning[2][0]] if self._pinning and self._pinning[2] else [])
+        return sum(page_rounded(b.nbytes) for b in blocks if isinstance(b, PinnedBlock) and b.registered)
+
     def reserve(self, nbytes: int, *, pinned: bool) -> Any:
-        """The buffer, at least ``nbytes`` long; re-allocated when too small (or not pinned, if asked)."""
-        if self.array is not None and len(self.array) >= nbytes and (self.pinned or not pinned):
-            return self.array
-        size = max(nbytes, len(self) + int(len(self) * GROWTH)) if self.array is not None else nbytes
-        self.array = self.tensor = None  # free the old buffer before allocating the new one
-        self.array, self.tensor, self.pinned = _allocate(size, pinned)
+        """A buffer of at least ``nbytes`` (see the class docstring)."""
+        if pinned:
+            self._adopt_pinned()
+            block = self._block
+            if block is not None and block.nbytes >= nbytes:
+                self._pageable = None  # the pinned block serves from now on
+                self.array, self.pinned = block.array, True
+                return self.array
+            self._start_pinning(nbytes)
+        self.array, self.pinned = self._pageable_buffer(nbytes), False
         return self.array
 
+    def settle(self) -> None:
+        """Wait for a block being pinned in the background, and use it from the next ``reserve`` on."""
+        pinning = self._pinning
+        if pinning is not None:
+            pinning[1].join()
+        self._adopt_pinned()
 
-def _allocate(nbytes: int, pinned: bool) -> tuple[Any, Any, bool]:
-    import numpy as np
+    def release(self) -> None:
+        """Free every buffer: the pinned block is unlocked and returned to the system."""
+        pinning, self._pinning = self._pinning, None
+        if pinning is not None:
+            pinning[1].join()
+            if pinning[2] and isinstance(pinning[2][0], PinnedBlock):
+                pinning[2][0].release()
+        block, self._block = self._block, None
+        if block is not None:
+            block.release()
+        self.array = self._pageable = None
+        self.pinned = False
 
-    if pinned:
-        import torch
+    def _pageable_buffer(self, nbytes: int) -> Any:
+        import numpy as np
 
-        try:
-            tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            return tensor.numpy(), tensor, True
-        except RuntimeError as exc:
-            log.warning(
-                "could not pin %d bytes of host memory for checkpoint staging (%s); using pageable memory: "
-                "saves of GPU state block longer. Free host memory or save less state per step",
+        current = self._pageable
+        if current is not None and len(current) >= nbytes:
+            return current
+        size = max(nbytes, len(current) + int(len(current) * GROWTH)) if current is not None else nbytes
+        self._pageable = None  # free the old buffer before allocating the new one
+        self._pageable = np.empty(size, dtype=np.uint8)
+        return self._pageable
+
+    def _start_pinning(self, nbytes: int) -> None:
+        if self._pinning is not None or "failed" in self._warned:
+            return  # one block at a time (a grown state gets its block once this one landed); no retry
+        limit = self.limit()
+        if page_rounded(nbytes) > limit:
+            self._warn_once(
+                "limit",
+                "checkpoint staging needs %d bytes of host memory but %s allows pinning %d: GPU state is "
+                "staged in pageable memory, so saves block longer. Raise %s (bytes) if the host has the "
+                "memory, or save less state per step",
                 nbytes,
-                exc,
+                PINNED_LIMIT_VAR,
+                limit,
+                PINNED_LIMIT_VAR,
             )
-    return np.empty(nbytes, dtype=np.uint8), None, False
+            return
+        if self._block is not None:  # too small for the state now: unlocked before a bigger one is locked
+            self._block.release()
+            self._block = None
+        box: list[Any] = []
+
+        def pin() -> None:
+            try:
+                box.append(PinnedBlock(nbytes, self.registry))
+            except Exception as exc:  # no CUDA runtime, RLIMIT_MEMLOCK, ...
+                box.append(exc)
+
+        thread = threading.Thread(target=pin, name="vertexrt-ckpt-pin", daemon=True)
+        self._pinning = (nbytes, thread, box)
+        thread.start()
+
+    def _adopt_pinned(self) -> None:
+        pinning = self._pinning
+        if pinning is None or pinning[1].is_alive():
+            return
+        self._pinning = None
+        result = pinning[2][0] if pinning[2] else None
+        if isinstance(result, PinnedBlock):
+            self._block = result
+        elif result is not None:
+            self._warn_once(
+                "failed",
+                "could not pin %d bytes of host memory for checkpoint staging (%s); using pageable memory: "
+                "saves of GPU state block longer. Free host memory or lower %s",
+                pinning[0],
+                result,
+                PINNED_LIMIT_VAR,
+            )
+
+    def _warn_once(self, kind: str, message: str, *args: Any) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning(message, *args)
 
 
 class Stager:
     """Stages encoded leaves (``adapters.Encoded``) into a reused host arena; see the module docstring."""
 
-    def __init__(self, threads: int | None = None) -> None:
-        self.arena = Arena()
+    def __init__(self, threads: int | None = None, arena: Arena | None = None) -> None:
+        self.arena = arena if arena is not None else Arena()
         self.threads = threads or copy_threads()
         self._pool: ThreadPoolExecutor | None = None
         self._streams: dict[Any, Any] = {}
+        self._before_step = OptimizerStepBarrier()
 
     def close(self) -> None:
-        """Stop the copy threads and free the arena (a later ``stage`` starts them again)."""
+        """Stop the copy threads and free the arena, unlocking its pinned memory (``stage`` starts again)."""
+        self._before_step.release()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        self.arena = Arena()
+        self.arena.release()
 
     def stage(self, encoded: Sequence[Any], *, copy_host: bool) -> Staged:
-        """Host buffers for ``encoded``: GPU leaves always copied, live CPU leaves when ``copy_host``."""
+        """Host buffers for ``encoded``: GPU leaves always copied, live CPU leaves when ``copy_host``.
+
+        The previous call's buffers must no longer be in use (the manager waits for the save in flight).
+        """
         import numpy as np
 
+        self._before_step.release()  # the previous save's deferred copies: ordered before this save's
         copied = [e.data is None or (copy_host and not e.owned) for e in encoded]
         offsets, end = [], 0
         for e, copy in zip(encoded, copied, strict=True):
@@ -125,7 +337,7 @@ class Stager:
         arena = self.arena.reserve(end, pinned=on_device) if end else np.empty(0, dtype=np.uint8)
         buffers: list[Any] = []
         host_jobs: list[tuple[Any, Any]] = []
-        device_jobs: list[tuple[int, Any, Any]] = []
+        device_jobs: list[tuple[int, Any, int, bool]] = []
         for leaf, (e, copy, start) in enumerate(zip(encoded, copied, offsets, strict=True)):
             if not copy:
                 buffers.append(e.data)
@@ -133,25 +345,25 @@ class Stager:
             view = arena[start : start + e.nbytes]
             buffers.append(view)
             if e.data is None:
-                device_jobs.append((leaf, e.device, start))
+                device_jobs.append((leaf, e.device, start, e.optimizer_owned))
             else:
                 host_jobs.append((view, e.data))
-        events = self._copy_from_devices(device_jobs) if device_jobs else {}
+        events = self._copy_from_devices(device_jobs, arena) if device_jobs else {}
         if host_jobs:
             self._copy_host(host_jobs)
         return Staged(buffers, events)
 
-    def _copy_from_devices(self, jobs: list[tuple[int, Any, int]]) -> dict[int, Any]:
+    def _copy_from_devices(self, jobs: list[tuple[int, Any, int, bool]], arena: Any) -> dict[int, Any]:
         import torch
 
-        host = self.arena.tensor if self.arena.tensor is not None else torch.from_numpy(self.arena.array)
+        host = torch.from_numpy(arena)
         events: dict[int, Any] = {}
-        by_device: dict[Any, list[tuple[int, Any, int]]] = {}
+        by_device: dict[Any, list[tuple[int, Any, int, bool]]] = {}
         for job in jobs:
             by_device.setdefault(job[1].device, []).append(job)
         for device, group in by_device.items():
             if device.type != "cuda":  # other accelerators: a plain blocking copy
-                for _, source, start in group:
+                for _, source, start, _ in group:
                     host[start : start + source.numel()].copy_(source)
                 continue
             current = torch.cuda.current_stream(device)
@@ -159,14 +371,19 @@ class Stager:
             if side is None:
                 side = self._streams[device] = torch.cuda.Stream(device)
             side.wait_stream(current)  # copy what the step computed, not what it is computing
+            urgent, deferred = copy_order(group)
             with torch.cuda.stream(side):
-                for leaf, source, start in group:
+                for leaf, source, start, _ in urgent + deferred:
                     host[start : start + source.numel()].copy_(source, non_blocking=True)
                     source.record_stream(side)  # its memory is not reused before the copy ran
                     event = torch.cuda.Event()
                     event.record(side)
                     events[leaf] = event
-            current.wait_event(event)  # the next kernel that could mutate a leaf runs after the copies
+                    if urgent and leaf == urgent[-1][0]:
+                        # the next kernel that could change a leaf other code may mutate runs after these
+                        current.wait_event(event)
+            if deferred:  # parameters and optimizer state: the next optimizer step waits for their copies
+                self._before_step.add(device, events[deferred[-1][0]])
         return events
 
     def _copy_host(self, jobs: list[tuple[Any, Any]]) -> None:
@@ -196,72 +413,150 @@ class Stager:
         list(self._pool.map(run, tasks))
 
 
+def copy_order(jobs: list[tuple[int, Any, int, bool]]) -> tuple[list[Any], list[Any]]:
+    """The device copies split in the order they are queued: ``(urgent, deferred)``.
+
+    Deferred copies read tensors only an optimizer's ``step()`` mutates (``Encoded.optimizer_owned``), so
+    the compute stream waits for them at the next optimizer step instead of right away.
+    """
+    urgent = [job for job in jobs if not job[3]]
+    deferred = [job for job in jobs if job[3]]
+    return urgent, deferred
+
+
+class OptimizerStepBarrier:
+    """Makes the next ``step()`` of any torch optimizer wait, on its current stream, for events added here.
+
+    A global optimizer step pre-hook is registered while events are pending and removed once they are
+    waited for (at that step, at the next save, or at :meth:`release`).
+    """
+
+    def __init__(self) -> None:
+        self._events: dict[Any, Any] = {}
+        self._hook: Any = None
+        self._lock = threading.Lock()
+
+    def add(self, device: Any, event: Any) -> None:
+        with self._lock:
+            self._events[device] = event
+            if self._hook is None:
+                from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+                self._hook = register_optimizer_step_pre_hook(self._before_step)
+
+    def release(self) -> None:
+        """Order the pending copies before whatever the current streams run next."""
+        import sys
+
+        with self._lock:
+            events, self._events = self._events, {}
+            hook, self._hook = self._hook, None
+        if hook is not None:
+            hook.remove()
+        torch = sys.modules.get("torch")
+        for device, event in events.items():
+            assert torch is not None
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.release()
+
+
 # -- restore: host bytes to the device ---------------------------------------------------------------------
 
 _UPLOADER: contextvars.ContextVar[Uploader | None] = contextvars.ContextVar("vertexrt_uploader", default=None)
 
 
 class Uploader:
-    """Host bytes -> GPU tensors through ``slots`` reused pinned bounce buffers, non-blocking copies."""
+    """Host bytes -> GPU tensors through ``slots`` bounce buffers (one pinned block) and non-blocking copies.
 
-    def __init__(self, slots: int = 4, chunk: int = CHUNK) -> None:
+    :meth:`copy` returns once every copy of the tensor is queued on the caller's current stream: host
+    threads only fill bounce buffers (half of the slots while the other half's copies run); the caller's
+    thread queues the copies, so the stream runs them before anything the caller queues afterwards.
+    """
+
+    def __init__(self, slots: int = 8, chunk: int = CHUNK // 2, registry: Any = None) -> None:
         self.chunk = chunk
-        self._slots: list[tuple[Any, Any, threading.Lock, list[Any]]] = []
-        self._count = slots
-        self._next = 0
+        self.registry = registry
+        self._count = max(2, slots - slots % 2)
+        self._block: PinnedBlock | None = None
+        self._host: Any = None  # (slots, chunk) uint8 bounce buffers
+        self._events: list[Any] = []
         self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[Any] = []
+        self._half = 0
 
     def copy(self, source: Any, target: Any) -> None:
-        """Enqueue ``target`` (contiguous GPU tensor) <- ``source`` (1-D uint8 host array of its bytes)."""
+        """Queue ``target`` (contiguous GPU tensor) <- ``source`` (1-D uint8 host array of its bytes)."""
         import torch
 
-        if not self._slots:
-            for _ in range(self._count):
-                host, tensor, _pinned = _allocate(self.chunk, True)
-                self._slots.append(
-                    (host, tensor if tensor is not None else torch.from_numpy(host), threading.Lock(), [None])
-                )
-            self._pool = ThreadPoolExecutor(self._count, thread_name_prefix="vertexrt-ckpt-upload")
+        self._open()
         dest = target.detach().view(-1).view(torch.uint8)
         stream = torch.cuda.current_stream(target.device)
-        assert self._pool is not None
-        for start in range(0, len(source), self.chunk):
-            slot = self._slots[self._next % self._count]
-            self._next += 1
-            piece = slice(start, start + self.chunk)
-            self._pending.append(self._pool.submit(self._upload, slot, source[piece], dest[piece], stream))
+        half = self._count // 2
+        starts = list(range(0, len(source), self.chunk))
+        for first in range(0, len(starts), half):
+            batch = starts[first : first + half]
+            slots = [self._half * half + i for i in range(len(batch))]
+            self._half ^= 1
+            for slot in slots:
+                if self._events[slot] is not None:
+                    self._events[slot].synchronize()  # the slot's previous copy has left it
+            fills = [
+                (self._host[slot], source[start : start + self.chunk])
+                for slot, start in zip(slots, batch, strict=True)
+            ]
+            self._fill(fills)
+            bounce = torch.from_numpy(self._host)
+            for slot, start in zip(slots, batch, strict=True):
+                n = min(self.chunk, len(source) - start)
+                with torch.cuda.stream(stream):
+                    dest[start : start + n].copy_(bounce[slot, :n], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                self._events[slot] = event
 
-    @staticmethod
-    def _upload(slot: tuple[Any, Any, threading.Lock, list[Any]], src: Any, dst: Any, stream: Any) -> None:
+    def _open(self) -> None:
         import numpy as np
-        import torch
 
-        host, bounce, lock, last = slot
-        with lock:
-            if last[0] is not None:
-                last[0].synchronize()  # the slot's previous copy has left it
-            n = len(src)
-            np.copyto(host[:n], src)
-            with torch.cuda.stream(stream):
-                dst.copy_(bounce[:n], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            last[0] = event
+        if self._host is not None:
+            return
+        nbytes = self._count * self.chunk
+        try:
+            self._block = PinnedBlock(nbytes, self.registry or CudaHostRegistry())
+            flat = self._block.array
+        except Exception as exc:
+            log.warning("could not pin %d bytes of restore bounce buffers (%s): slower copies", nbytes, exc)
+            flat = np.empty(nbytes, dtype=np.uint8)
+        self._host = flat.reshape(self._count, self.chunk)
+        self._events = [None] * self._count
+        self._pool = ThreadPoolExecutor(self._count // 2, thread_name_prefix="vertexrt-ckpt-upload")
+
+    def _fill(self, fills: list[tuple[Any, Any]]) -> None:
+        import numpy as np
+
+        def run(pair: tuple[Any, Any]) -> None:
+            dst, src = pair
+            np.copyto(dst[: len(src)], src)  # releases the GIL: the fills run in parallel
+
+        if len(fills) == 1 or self._pool is None:
+            for pair in fills:
+                run(pair)
+            return
+        list(self._pool.map(run, fills))
 
     def finish(self) -> None:
-        """Wait for every enqueued copy to leave the bounce buffers; re-raise a failed one."""
-        pending, self._pending = self._pending, []
-        for future in pending:
-            future.result()
-        for _, _, lock, last in self._slots:
-            with lock:
-                if last[0] is not None:
-                    last[0].synchronize()
+        """Wait until every queued copy has left the bounce buffers, then free them."""
+        for event in self._events:
+            if event is not None:
+                event.synchronize()
+        self._events = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        self._slots = []
+        self._host = None
+        block, self._block = self._block, None
+        if block is not None:
+            block.release()
 
 
 @contextmanager
@@ -279,20 +574,14 @@ def uploads() -> Iterator[None]:
 def copy_to_device(source: Any, target: Any) -> bool:
     """Copy CPU tensor ``source`` into CUDA tensor ``target`` through pinned buffers; False if not applicable.
 
-    Applies when ``target`` is a contiguous CUDA tensor of ``source``'s dtype and shape.
+    The copies are queued on the current stream before this returns. Applies when :func:`byte_copyable`
+    and ``target`` is a CUDA tensor (else the caller copies with ``target.copy_``).
     """
     import torch
 
-    if not (
-        target.device.type == "cuda"
-        and source.device.type == "cpu"
-        and target.is_contiguous()
-        and target.dtype == source.dtype
-        and target.shape == source.shape
-        and source.numel() > 0
-    ):
+    if target.device.type != "cuda" or source.device.type != "cpu" or not byte_copyable(source, target):
         return False
-    host = source.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    host = source.detach().resolve_conj().resolve_neg().contiguous().view(-1).view(torch.uint8).numpy()
     uploader = _UPLOADER.get()
     if uploader is not None:
         uploader.copy(host, target)
@@ -303,3 +592,16 @@ def copy_to_device(source: Any, target: Any) -> bool:
     finally:
         one.finish()
     return True
+
+
+def byte_copyable(source: Any, target: Any) -> bool:
+    """Whether ``target``'s memory can take ``source``'s bytes as they are: contiguous, same dtype and shape,
+    not empty, and no lazy conjugate / negative bit on ``target`` (its bytes would not mean its values)."""
+    return bool(
+        target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
+        and target.dtype == source.dtype
+        and target.shape == source.shape
+        and source.numel() > 0
+    )
