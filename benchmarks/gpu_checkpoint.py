@@ -11,9 +11,17 @@ local disk, every save followed by fsync of its files so all rows are equally du
 - vertexrt: sync save, async save (time the caller is blocked, and until committed), restore into live CUDA
   targets (every byte CRC32C-verified).
 
-Ratios are baseline / vertexrt for times (> 1: vertexrt is faster). Without CUDA it says so and exits 0.
+Ratios are baseline / vertexrt for times (> 1: vertexrt is faster).
 
-Run: python benchmarks/gpu_checkpoint.py [--gib 4] [--repeats 3] [--dir /tmp/vertexrt-gpu-bench]
+A second table times training steps on the GPU with CUDA events (issue 24): an MLP of 4096-wide layers whose
+parameters + Adam moments hold ``--step-gib`` GiB, plain steps against the two steps around each async save
+(the save is called between them, so its host-side time and any wait it puts on the compute stream both show
+up), and the pinned host memory the save holds against the state's size, during the save and after close().
+
+Without CUDA it says so and exits 0.
+
+Run: python benchmarks/gpu_checkpoint.py [--gib 4] [--repeats 3] [--step-gib 2] [--saves 5] [--batch 2048]
+     [--dir /tmp/vertexrt-gpu-bench] [--only steps|io]
 """
 
 from __future__ import annotations
@@ -194,6 +202,91 @@ def rows(state: dict[str, Any], root: str, repeats: int) -> tuple[dict[str, floa
     return out, total
 
 
+def step_rows(gib: float, saves: int, batch: int, root: str) -> dict[str, float]:
+    """Step times (CUDA events) of plain steps and of the steps around async saves; pinned bytes."""
+    import torch
+
+    from vertexrt.checkpoint import CheckpointManager
+
+    width = 4096
+    layers = max(1, round(gib * (1 << 30) / (3 * width * width * 4)))  # weight + exp_avg + exp_avg_sq
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    data = torch.randn(batch, width, device="cuda")
+    state = {"model": model, "opt": opt}
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(data).square().mean().backward()
+        opt.step()
+
+    def event() -> Any:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    marks = [event()]
+    for _ in range(20):
+        step()
+        marks.append(event())
+    torch.cuda.synchronize()
+    plain = statistics.median(a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False))
+    state_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3
+    out: dict[str, float] = {"plain step (s)": plain, "state (GiB)": state_bytes / (1 << 30)}
+    shutil.rmtree(root, ignore_errors=True)
+    mgr = CheckpointManager(os.path.join(root, "steps"), async_save=True, rank=0, world_size=1)
+    try:
+        mgr.save(0, state, force=True)  # the first save stages into pageable memory while the arena is pinned
+        mgr.wait()
+        mgr._staging.arena.settle()
+        pairs, firsts, blocked = [], [], []
+        pinned = 0
+        for i in range(1, saves + 1):
+            for _ in range(3):
+                step()
+            start = event()
+            t0 = time.perf_counter()
+            mgr.save(i, state, force=True)
+            blocked.append(time.perf_counter() - t0)
+            pinned = max(pinned, mgr._staging.arena.pinned_bytes)
+            step()
+            middle = event()
+            step()
+            end = event()
+            torch.cuda.synchronize()
+            firsts.append(start.elapsed_time(middle) / 1e3)
+            pairs.append(start.elapsed_time(end) / 2e3)
+            mgr.wait()  # the write finishes outside the timed steps
+        arena = mgr._staging.arena
+    finally:
+        mgr.close()
+    out["step right after save() (s)"] = statistics.median(firsts)
+    out["mean of the 2 steps around a save (s)"] = statistics.median(pairs)
+    out["save() blocked the host (s)"] = statistics.median(blocked)
+    out["pinned during a save / state"] = pinned / state_bytes
+    out["pinned after close() (bytes)"] = float(arena.pinned_bytes)
+    return out
+
+
+def print_steps(results: dict[str, float], saves: int) -> None:
+    print(f"\nsteps around async saves: median of {saves} saves, CUDA events")
+    print(f"| {'measure':<48} | {'value':>9} |")
+    print(f"|{'-' * 50}|{'-' * 11}|")
+    for name, value in results.items():
+        print(f"| {name:<48} | {value:9.4f} |")
+    plain = results["plain step (s)"]
+    print(
+        f"| {'steps around a save / plain (target <= 1.5)':<48} | "
+        f"{results['mean of the 2 steps around a save (s)'] / plain:9.3f} |"
+    )
+    print(
+        f"| {'step right after save() / plain':<48} | {results['step right after save() (s)'] / plain:9.3f} |"
+    )
+
+
 RATIOS = [
     (
         "async blocked / sync save (target <= 0.05)",
@@ -219,6 +312,10 @@ def main() -> int:
     parser.add_argument("--gib", type=float, default=4.0, help="CUDA state size in GiB")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/vertexrt-gpu-bench", help="local directory to write into")
+    parser.add_argument("--step-gib", type=float, default=2.0, help="model + Adam state of the step table")
+    parser.add_argument("--saves", type=int, default=5, help="async saves timed in the step table")
+    parser.add_argument("--batch", type=int, default=2048, help="rows per training step in the step table")
+    parser.add_argument("--only", choices=["io", "steps"], help="run one table only")
     args = parser.parse_args()
     try:
         import torch
@@ -227,6 +324,16 @@ def main() -> int:
         return 0
     if not torch.cuda.is_available():
         print("no CUDA device here: this benchmark needs a GPU (run it on the GPU machine)")
+        return 0
+    if args.only != "io":
+        try:
+            steps = step_rows(args.step_gib, args.saves, args.batch, args.dir)
+        finally:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+        print_steps(steps, args.saves)
+        torch.cuda.empty_cache()
+    if args.only == "steps":
         return 0
     state = build_state(int(args.gib * (1 << 30)))
     try:

@@ -33,7 +33,8 @@ def main(rank: int, world: int, port: int, root: str) -> None:
     dist.Backend.register_backend(
         "nccl_stand_in", lambda store, r, size, timeout: DefaultGroupOnly(r, size), devices=["cpu"]
     )
-    dist.init_process_group("nccl_stand_in", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    address = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group("nccl_stand_in", init_method=address, rank=rank, world_size=world)
     assert dist.get_backend() == "nccl_stand_in"
 
     assert collective.broadcast(f"token-{rank}", dist) == "token-0"

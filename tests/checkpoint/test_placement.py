@@ -105,6 +105,6 @@ def test_tensor_metrics_are_saved_without_item_on_the_calling_thread(tmp_path, m
 
 
 def test_a_tensor_metric_of_several_values_is_a_clear_error(tmp_path):
-    with CheckpointManager(str(tmp_path), async_save=False, rank=0, world_size=1) as mgr:
-        with pytest.raises(CheckpointError, match=r"metrics\['loss'\] is a tensor of shape \[2\]"):
-            mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": torch.ones(2)})
+    error = pytest.raises(CheckpointError, match=r"metrics\['loss'\] is a tensor of shape \[2\]")
+    with CheckpointManager(str(tmp_path), async_save=False, rank=0, world_size=1) as mgr, error:
+        mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": torch.ones(2)})

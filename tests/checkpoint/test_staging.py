@@ -201,7 +201,14 @@ def test_a_state_over_the_pinned_limit_stays_pageable_with_a_warning_naming_the_
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [("0", 0), ("123456", 123456), ("32GiB", 32 * GIB), ("8g", 8 * GIB), ("512 MiB", 512 << 20), ("1T", 1 << 40)],
+    [
+        ("0", 0),
+        ("123456", 123456),
+        ("32GiB", 32 * GIB),
+        ("8g", 8 * GIB),
+        ("512 MiB", 512 << 20),
+        ("1T", 1 << 40),
+    ],
 )
 def test_the_pinned_limit_reads_bytes_with_binary_suffixes(monkeypatch, value, expected):
     monkeypatch.setenv("VERTEXRT_PINNED_LIMIT", value)
