@@ -310,10 +310,12 @@ class Stager:
         self._pool: ThreadPoolExecutor | None = None
         self._streams: dict[Any, Any] = {}
         self._before_step = OptimizerStepBarrier()
+        self._in_flight: list[Any] = []  # the last stage()'s copy events
 
     def close(self) -> None:
         """Stop the copy threads and free the arena, unlocking its pinned memory (``stage`` starts again)."""
         self._before_step.release()
+        self._drain()
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
@@ -327,6 +329,7 @@ class Stager:
         import numpy as np
 
         self._before_step.release()  # the previous save's deferred copies: ordered before this save's
+        self._drain()
         copied = [e.data is None or (copy_host and not e.owned) for e in encoded]
         offsets, end = [], 0
         for e, copy in zip(encoded, copied, strict=True):
@@ -349,9 +352,16 @@ class Stager:
             else:
                 host_jobs.append((view, e.data))
         events = self._copy_from_devices(device_jobs, arena) if device_jobs else {}
+        self._in_flight = list(events.values())
         if host_jobs:
             self._copy_host(host_jobs)
         return Staged(buffers, events)
+
+    def _drain(self) -> None:
+        """Wait for the last copies into the arena (a save that failed midway left some unread)."""
+        events, self._in_flight = self._in_flight, []
+        for event in events:
+            event.synchronize()
 
     def _copy_from_devices(self, jobs: list[tuple[int, Any, int, bool]], arena: Any) -> dict[int, Any]:
         import torch
@@ -574,8 +584,8 @@ def uploads() -> Iterator[None]:
 def copy_to_device(source: Any, target: Any) -> bool:
     """Copy CPU tensor ``source`` into CUDA tensor ``target`` through pinned buffers; False if not applicable.
 
-    The copies are queued on the current stream before this returns. Applies when :func:`byte_copyable`
-    and ``target`` is a CUDA tensor (else the caller copies with ``target.copy_``).
+    The copies are queued on the current stream before this returns. Applies within :func:`uploads`, when
+    :func:`byte_copyable` and ``target`` is a CUDA tensor (else the caller copies with ``target.copy_``).
     """
     import torch
 
@@ -583,14 +593,9 @@ def copy_to_device(source: Any, target: Any) -> bool:
         return False
     host = source.detach().resolve_conj().resolve_neg().contiguous().view(-1).view(torch.uint8).numpy()
     uploader = _UPLOADER.get()
-    if uploader is not None:
-        uploader.copy(host, target)
-        return True
-    one = Uploader(slots=2)
-    try:
-        one.copy(host, target)
-    finally:
-        one.finish()
+    if uploader is None:
+        return False
+    uploader.copy(host, target)
     return True
 
 
