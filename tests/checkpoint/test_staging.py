@@ -342,3 +342,39 @@ def test_a_mixed_cpu_cuda_checkpoint_restores_on_the_cpu_here_and_refuses_a_cuda
             assert torch.equal(got[key].view(torch.uint8), want.view(torch.uint8)), key
         with pytest.raises(CheckpointError, match=r"restore\(device='cuda'\)"):
             mgr.restore(device="cuda")
+
+
+class _Event:
+    """Stands in for torch.cuda.Event on a CPU tensor's "stream": records which thread queued each copy."""
+
+    queued_by: list[int] = []
+
+    def record(self, stream: object = None) -> None:
+        _Event.queued_by.append(threading.get_ident())
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_restore_uploads_are_all_queued_on_the_calling_thread_before_copy_returns(monkeypatch):
+    """Threads only fill bounce buffers: every copy is queued (here: run) by the caller, in order, before
+    ``copy`` returns, so what the caller queues next on the stream reads the restored bytes."""
+    import contextlib
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    _Event.queued_by = []
+    registry = _Registry()
+    source = torch.arange(10 * 1024 + 300, dtype=torch.float32)  # 10.3 chunks of 4 KiB
+    target = torch.zeros_like(source)  # a CPU tensor: its copy_ runs when queued
+    uploader = staging.Uploader(slots=4, chunk=4096, registry=registry)
+    uploader.copy(source.view(torch.uint8).numpy(), target)
+    assert torch.equal(target, source)  # before finish(): every byte is in place
+    assert len(_Event.queued_by) == 11 and set(_Event.queued_by) == {threading.get_ident()}
+    small = torch.full((7,), 3.0)
+    uploader.copy(small.view(torch.uint8).numpy(), (out := torch.zeros(7)))
+    assert torch.equal(out, small)
+    uploader.finish()
+    assert registry.pinned == 0 and [what for what, _, _ in registry.calls] == ["register", "unregister"]
+    assert registry.calls[0][1] == 4 * 4096  # one block of bounce buffers, slots x chunk

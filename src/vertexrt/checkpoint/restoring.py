@@ -18,6 +18,7 @@ from typing import Any
 
 from vertexrt.checkpoint import collective, datafiles, serialization
 from vertexrt.checkpoint import manifest as fmt
+from vertexrt.checkpoint.rng import RngState
 from vertexrt.checkpoint.storage import MANIFEST, Strategy
 from vertexrt.errors import CheckpointCorruptError, CheckpointError
 
@@ -144,7 +145,7 @@ def decode(loaded: Loaded, target: Any, device: Any = None) -> Any:
 
 
 #: The class of :func:`vertexrt.checkpoint.rng_state`'s object, as a checkpoint's tree names it.
-RNG_STATE_CLASS = "vertexrt.checkpoint.rng.RngState"
+RNG_STATE_CLASS = f"{RngState.__module__}.{RngState.__qualname__}"
 
 
 def moves(owner: str | None, keys: tuple[Any, ...], value: Any) -> bool:
