@@ -108,3 +108,23 @@ def test_a_tensor_metric_of_several_values_is_a_clear_error(tmp_path):
     error = pytest.raises(CheckpointError, match=r"metrics\['loss'\] is a tensor of shape \[2\]")
     with CheckpointManager(str(tmp_path), async_save=False, rank=0, world_size=1) as mgr, error:
         mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": torch.ones(2)})
+
+
+def test_leaves_with_a_live_target_are_copied_into_it_without_an_intermediate_placed_tensor():
+    """restore(target=..., device=...) fills a live tensor straight from the verified host bytes; only
+    leaves without a live target (here: one the target lacks) go through the device placement."""
+    tree, leaves = serialization.encode({"a": torch.arange(4.0), "b": torch.ones(2)}, allow_pickle=False)
+    by_node = {id(node): enc.data for node, enc in leaves}
+    placed: list[list[int]] = []
+
+    def values(node: dict) -> torch.Tensor:
+        return torch.from_numpy(by_node[id(node)].copy()).view(torch.float32)
+
+    def place(node: dict, value: torch.Tensor) -> torch.Tensor:
+        placed.append(node["shape"])
+        return value
+
+    live = torch.zeros(4)
+    out = serialization.decode(tree, values, {"a": live}, place)
+    assert out["a"] is live and torch.equal(live, torch.arange(4.0))
+    assert torch.equal(out["b"], torch.ones(2)) and placed == [[2]]
