@@ -45,18 +45,27 @@ def _mark_optimizer_owned(encoded: list[Encoded], optimizers: list[Any]) -> None
     """Flag device leaves that are the very memory of a saved optimizer's parameters or state tensors."""
     if not optimizers:
         return
-    owned: set[int] = set()
+    owned: set[int | None] = set()
     for opt in optimizers:
         for group in opt.param_groups:
-            owned.update(p.data_ptr() for p in group["params"] if p.device.type != "cpu")
+            owned.update(_address(p) for p in group["params"])
         for per_param in opt.state.values():
             values = per_param.values() if isinstance(per_param, Mapping) else ()
-            owned.update(
-                v.data_ptr() for v in values if adapters.is_torch_tensor(v) and v.device.type != "cpu"
-            )
+            owned.update(_address(v) for v in values if adapters.is_torch_tensor(v))
+    owned.discard(None)
     for enc in encoded:
         if enc.data is None and enc.device.numel() and enc.device.data_ptr() in owned:
             enc.optimizer_owned = True
+
+
+def _address(tensor: Any) -> int | None:
+    """The device memory address of a plain accelerator tensor (None on the CPU or without storage)."""
+    if tensor.device.type == "cpu":
+        return None
+    try:
+        return int(tensor.data_ptr())
+    except RuntimeError:  # a tensor subclass without storage (DTensor, ...)
+        return None
 
 
 def leaf_places(tree: Any) -> dict[int, tuple[str | None, tuple[Any, ...]]]:
