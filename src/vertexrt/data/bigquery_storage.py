@@ -411,6 +411,7 @@ def read_stream(
     schema = pa.ipc.read_schema(pa.py_buffer(source.schema)) if source.schema else None
     pos = offset
     failures = 0
+    pauses = _backoff()
     while True:
         try:
             for batch in _read_from(source, pos, schema, idle_timeout):
@@ -418,27 +419,82 @@ def read_stream(
                     schema = batch.schema
                 pos += batch.num_rows
                 failures = 0
+                pauses = _backoff()
                 yield pos - batch.num_rows, batch
             return
         except (gexc.NotFound, gexc.FailedPrecondition) as err:
             if failures:
-                raise DataError(f"{source.uri}: reading from row {pos} failed ({err})") from None
+                raise _stream_error(source, pos, err) from None
             failures += 1
             source = _renewed(source, f"is gone ({type(err).__name__})")
-        except (
+        except gexc.GoogleAPICallError as err:
+            failures += 1
+            if not transient(err) or failures > RETRIES:
+                raise _stream_error(source, pos, err, failures) from None
+            logger.warning("%s: stream broke at row %d (%s); retrying from there", source.uri, pos, err)
+            time.sleep(max(next(pauses), _retry_delay(err)))
+
+
+def transient(err: BaseException) -> bool:
+    """True for the stream errors that Google's guidance retries: ``UNAVAILABLE``, ``RESOURCE_EXHAUSTED``
+    (quota, with the server's ``RetryInfo`` delay when it sends one), ``INTERNAL`` (a dropped HTTP/2
+    stream, ``RST_STREAM``), ``DEADLINE_EXCEEDED``, ``ABORTED`` and ``UNKNOWN`` (a transport error with no
+    status). The others (``UNAUTHENTICATED``, ``PERMISSION_DENIED``, ``CANCELLED``, ``INVALID_ARGUMENT``,
+    ``OUT_OF_RANGE``, ...) will not heal by retrying."""
+    from google.api_core import exceptions as gexc
+    from google.api_core.retry import if_exception_type
+
+    return bool(
+        if_exception_type(
             gexc.ServiceUnavailable,
+            gexc.ResourceExhausted,
             gexc.InternalServerError,
             gexc.DeadlineExceeded,
             gexc.Aborted,
-        ) as err:
-            failures += 1
-            if failures > RETRIES:
-                raise DataError(
-                    f"{source.uri}: reading from row {pos} failed {failures} times ({err}); "
-                    "check the network and the BigQuery quota, then resume from the last checkpoint"
-                ) from None
-            logger.warning("%s: stream broke at row %d (%s); retrying from there", source.uri, pos, err)
-            time.sleep(min(0.1 * 2**failures, 5.0))
+            gexc.Unknown,
+        )(err)
+    )
+
+
+def _backoff() -> Iterator[float]:
+    """Seconds to wait before each retry of a broken stream: exponential with jitter (``google.api_core``)."""
+    from google.api_core.retry import exponential_sleep_generator
+
+    return exponential_sleep_generator(initial=0.2, maximum=30.0, multiplier=2.0)
+
+
+def _retry_delay(err: BaseException) -> float:
+    """The delay a ``RESOURCE_EXHAUSTED`` status asks for in its ``RetryInfo`` detail (at most 60 s), or 0."""
+    for detail in getattr(err, "details", None) or ():
+        delay = getattr(detail, "retry_delay", None)
+        if delay is not None and hasattr(delay, "seconds"):
+            return min(60.0, float(delay.seconds) + float(getattr(delay, "nanos", 0)) / 1e9)
+    return 0.0
+
+
+_FIXES = {
+    "UNAUTHENTICATED": "the job's credentials were refused: check the service account or run "
+    "`gcloud auth application-default login`",
+    "PERMISSION_DENIED": "grant the job's service account roles/bigquery.readSessionUser on the project and "
+    "roles/bigquery.dataViewer on the table",
+    "CANCELLED": "the read was cancelled (by the server or a shutdown): resume from the last checkpoint",
+    "INVALID_ARGUMENT": "the stream or its row offset is not valid (a data state of another table or "
+    "session?): start the epoch afresh",
+    "OUT_OF_RANGE": "the row offset is past the stream's end: start the epoch afresh",
+    "NOT_FOUND": "the read session is gone, also in a new session: start the epoch afresh",
+    "FAILED_PRECONDITION": "the read session is gone, also in a new session: start the epoch afresh",
+}
+
+
+def _stream_error(source: StreamSource, pos: int, err: Any, failures: int = 1) -> DataError:
+    """The typed error of a stream that failed for good: names the table, stream, row and code."""
+    code = getattr(getattr(err, "grpc_status_code", None), "name", None) or type(err).__name__
+    times = f" {failures} times" if failures > 1 else ""
+    fix = _FIXES.get(code, "check the network and the BigQuery quota, then resume from the last checkpoint")
+    return DataError(
+        f"{source.uri}: reading stream {source.stream} from row {pos} failed{times} ({code}: "
+        f"{getattr(err, 'message', err)}); {fix}"
+    )
 
 
 def _read_from(source: StreamSource, offset: int, schema: Any, idle_timeout: float) -> Iterator[Any]:
