@@ -10,13 +10,14 @@ from typing import Any
 
 import pytest
 
-from vertexrt.data import BigQuery
+from vertexrt.data import BigQuery, open_dataset
 from vertexrt.data.cursor import Cursor, chunks
 from vertexrt.data.formats import Errors
 from vertexrt.errors import DataError
 
 from .test_bigquery_storage import ids, plan, spec, use
 
+BIG = "bq://proj-1.ds.big"
 FAIL_ROWS = 70_000  # two ReadRows messages (65,536 rows each) in one stream: an error arrives mid-stream
 TRANSIENT = ["unavailable", "resource_exhausted", "internal", "deadline_exceeded", "aborted", "unknown"]
 PERMANENT = [
@@ -79,3 +80,28 @@ def test_a_stream_gone_mid_read_continues_in_a_new_session(honouring: Any, caplo
     with caplog.at_level(logging.WARNING, logger="vertexrt.data.bigquery_storage"):
         got = ids(chunks(spec(fmt, plan(fmt, "fail_not_found")), Cursor(), Errors()))
     assert got == list(range(FAIL_ROWS)) and "is gone (NotFound); created session" in caplog.text
+
+
+@pytest.mark.parametrize("offset", [-5, 10**12, 2**63])
+def test_a_tampered_resume_offset_is_a_data_error(emulator: Any, offset: int) -> None:
+    def opened() -> Any:
+        return open_dataset(BIG, format=BigQuery(streams=2), shuffle=False, rank=0, world_size=1)
+
+    ds = opened()
+    assert len([row for row, _ in zip(ds, range(300), strict=False)]) == 300
+    state = ds.state_dict()
+    assert state["cursors"]["0"]["pos"] > 0  # a row offset in stream 0
+    state["cursors"]["0"]["pos"] = offset
+    again = opened()
+    with pytest.raises(DataError, match=rf"bq://proj-1\.ds\.big.*{offset}"):
+        again.load_state_dict(state)
+        list(again)
+
+
+def test_a_resume_offset_at_the_end_of_a_stream_is_valid(emulator: Any) -> None:
+    fmt = BigQuery(streams=2)
+    streams = plan(fmt)
+    rows = fmt.count(streams[0], Errors())
+    assert ids(chunks(spec(fmt, streams[:1]), Cursor(pos=rows), Errors())) == []
+    with pytest.raises(DataError, match=rf"resume offset {rows + 1}"):
+        ids(chunks(spec(fmt, streams[:1]), Cursor(pos=rows + 1), Errors()))

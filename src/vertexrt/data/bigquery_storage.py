@@ -406,6 +406,11 @@ def read_stream(
     import pyarrow as pa
     from google.api_core import exceptions as gexc
 
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < 2**63:
+        raise DataError(
+            f"{source.uri}: row offset {offset!r:.40} is not a row of the stream (a tampered or foreign "
+            "data state): start the epoch afresh"
+        )
     if time.time() >= source.expires - EXPIRY_MARGIN:
         source = _renewed(source, "has expired")
     schema = pa.ipc.read_schema(pa.py_buffer(source.schema)) if source.schema else None
@@ -421,6 +426,8 @@ def read_stream(
                 failures = 0
                 pauses = _backoff()
                 yield pos - batch.num_rows, batch
+            if pos == offset > 0:
+                _check_end(source, offset, schema, idle_timeout)
             return
         except (gexc.NotFound, gexc.FailedPrecondition) as err:
             if failures:
@@ -433,6 +440,24 @@ def read_stream(
                 raise _stream_error(source, pos, err, failures) from None
             logger.warning("%s: stream broke at row %d (%s); retrying from there", source.uri, pos, err)
             time.sleep(max(next(pauses), _retry_delay(err)))
+
+
+def _check_end(source: StreamSource, offset: int, schema: Any, idle_timeout: float) -> None:
+    """Raise a DataError when ``offset`` lies past the end of the stream (a read from it gave no row: the
+    stream either ends exactly there, or the offset is out of bounds; a read from ``offset - 1`` tells)."""
+    from google.api_core import exceptions as gexc
+
+    try:
+        last = sum(batch.num_rows for batch in _read_from(source, offset - 1, schema, idle_timeout))
+    except (gexc.InvalidArgument, gexc.OutOfRange):
+        last = 0
+    except gexc.GoogleAPICallError as err:
+        raise _stream_error(source, offset - 1, err) from None
+    if not last:
+        raise DataError(
+            f"{source.uri}: the resume offset {offset} is past the end of stream {source.stream}; the data "
+            "state was altered or belongs to another session: start the epoch afresh"
+        )
 
 
 def transient(err: BaseException) -> bool:
