@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from rank_exit import exits_hard
 
 from vertexrt.data import BigQuery, open_dataset
 from vertexrt.data.cursor import Cursor, chunks
@@ -105,3 +106,97 @@ def test_a_resume_offset_at_the_end_of_a_stream_is_valid(emulator: Any) -> None:
     assert ids(chunks(spec(fmt, streams[:1]), Cursor(pos=rows), Errors())) == []
     with pytest.raises(DataError, match=rf"resume offset {rows + 1}"):
         ids(chunks(spec(fmt, streams[:1]), Cursor(pos=rows + 1), Errors()))
+
+
+@pytest.mark.parametrize(
+    ("other_table", "other_format", "differs"),
+    [
+        (
+            "resplit",
+            {},
+            r"reads bq://proj-1\.ds\.resplit \(all columns, no row_filter\), .* bq://proj-1\.ds\.big",
+        ),
+        ("big", {"columns": ["id"]}, r"reads bq://proj-1\.ds\.big \(columns \['id'\], .*\(all columns"),
+        ("big", {"row_filter": "id >= 5"}, r"row_filter='id >= 5'\), and this dataset reads .*no row_filter"),
+    ],
+    ids=["table", "columns", "row_filter"],
+)
+def test_resuming_with_the_saved_session_of_another_table_is_a_data_error(
+    emulator: Any, other_table: str, other_format: dict[str, Any], differs: str
+) -> None:
+    def read_some(uri: str, **fmt: Any) -> dict[str, Any]:
+        ds = open_dataset(uri, format=BigQuery(streams=2, **fmt), shuffle=False, rank=0, world_size=1)
+        assert len([row for row, _ in zip(ds, range(300), strict=False)]) == 300
+        return ds.state_dict()
+
+    state = read_some(BIG)
+    state["session"] = read_some(f"bq://proj-1.ds.{other_table}", **other_format)["session"]
+    again = open_dataset(BIG, format=BigQuery(streams=2), shuffle=False, rank=0, world_size=1)
+    with pytest.raises(DataError, match=rf"the data state's read session .*{differs}"):
+        again.load_state_dict(state)
+    planned = open_dataset(BIG, format=BigQuery(streams=2), shuffle=False, rank=0, world_size=1)
+    planned.prepare()  # a plan made before the state is loaded (a DataLoader plans when it is made)
+    with pytest.raises(DataError, match="the data state's read session"):
+        planned.load_state_dict(state)
+
+
+# -- ranks that open different reads -----------------------------------------------------------------
+CASES = {  # what rank 1 opens while rank 0 opens BIG with all columns and no filter
+    "same": ("big", {}),
+    "table": ("resplit", {}),
+    "columns": ("big", {"columns": ["id"]}),
+    "row_filter": ("big", {"row_filter": "id >= 5"}),
+}
+
+
+@exits_hard
+def _opening_rank(rank: int, port: int, out: str) -> None:
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    answers = {}
+    for case, (name, fmt) in CASES.items():
+        uri, options = (BIG, {}) if rank == 0 else (f"bq://proj-1.ds.{name}", fmt)
+        ds = open_dataset(uri, format=BigQuery(streams=2, **options), shuffle=False)
+        try:
+            ds.prepare()
+            answers[case] = f"session {ds.state_dict()['session']['name']}"
+        except DataError as err:
+            answers[case] = f"DataError: {err}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps(answers))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ranks_that_open_different_tables_columns_or_filters_all_get_one_data_error(
+    honouring: Any, monkeypatch, tmp_path
+) -> None:
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CLUSTER_SPEC", "TF_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_opening_rank, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    answers = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert answers[0]["same"] == answers[1]["same"] and answers[0]["same"].startswith("session ")
+    differs = {
+        "table": r"rank 1 reads bq://proj-1\.ds\.resplit \(all columns",
+        "columns": r"rank 1 reads bq://proj-1\.ds\.big \(columns \['id'\]",
+        "row_filter": r"rank 1 reads bq://proj-1\.ds\.big \(all columns, row_filter='id >= 5'\)",
+    }
+    for case, words in differs.items():
+        assert answers[0][case] == answers[1][case], case
+        assert re.fullmatch(
+            rf"DataError: the ranks open different BigQuery reads: rank 0 reads bq://proj-1\.ds\.big "
+            rf"\(all columns, no row_filter\) and {words}.*same table with the same columns and row_filter.*",
+            answers[0][case],
+        ), answers[0][case]

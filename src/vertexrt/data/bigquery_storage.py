@@ -188,13 +188,14 @@ def create_session(
 def session_record(
     streams: Sequence[StreamSource], counts: Sequence[int] | None = None
 ) -> dict[str, Any] | None:
-    """What a data state keeps of a plan to read the same streams again: session, stream names, expiry,
-    and the rows of each stream when they were counted (for ``equalize``).
+    """What a data state keeps of a plan to read the same streams again: session, what it reads (table,
+    columns, row filter: :func:`read_request`), stream names, expiry, and the rows of each stream when they
+    were counted (for ``equalize``).
 
     Example:
         >>> session_record(streams, [50000, 50000])
-        {'name': 'projects/p/locations/US/sessions/ab12', 'expires': 1767225600.0, 'streams': ['0', '1'],
-         'counts': [50000, 50000]}
+        {'name': 'projects/p/locations/US/sessions/ab12', 'table': 'p.d.t', 'columns': None,
+         'row_filter': None, 'expires': 1767225600.0, 'streams': ['0', '1'], 'counts': [50000, 50000]}
     """
     if not streams:
         return None
@@ -202,6 +203,7 @@ def session_record(
     prefix = f"{session}/streams/"
     record = {
         "name": session,
+        **read_request(streams[0].table_id, streams[0].columns, streams[0].row_filter),
         "expires": streams[0].expires,
         "streams": [s.stream[len(prefix) :] if s.stream.startswith(prefix) else s.stream for s in streams],
     }
@@ -246,7 +248,66 @@ def check_record(record: Any) -> dict[str, Any] | None:
             f"{where}: 'counts' must be the rows of each of its {len(streams)} streams, not {counts!r:.80}; "
             "save the state again"
         )
-    return {"name": name, "expires": float(expires), "streams": list(streams), "counts": counts}
+    request = {key: record.get(key) for key in ("table", "columns", "row_filter")}
+    table, columns, row_filter = request.values()
+    if (
+        not (table is None or isinstance(table, str) and 0 < len(table) <= 1024)
+        or not (
+            columns is None
+            or isinstance(columns, list)
+            and len(columns) <= 100_000
+            and all(isinstance(c, str) and len(c) <= 1024 for c in columns)
+        )
+        or not (row_filter is None or isinstance(row_filter, str) and len(row_filter) <= 1_000_000)
+    ):
+        raise DataError(
+            f"{where}: 'table', 'columns' and 'row_filter' must be what the session reads (a table id, a "
+            f"list of column names or null, a filter or null), not {request!r:.120}; save the state again"
+        )
+    return {"name": name, **request, "expires": float(expires), "streams": list(streams), "counts": counts}
+
+
+def read_request(table_id: str, columns: Sequence[str] | None, row_filter: str | None) -> dict[str, Any]:
+    """What a read session reads, as a data state keeps it and as ranks compare it.
+
+    Example:
+        >>> read_request("p.d.t", ("x",), "x > 0")
+        {'table': 'p.d.t', 'columns': ['x'], 'row_filter': 'x > 0'}
+    """
+    return {
+        "table": table_id,
+        "columns": list(columns) if columns is not None else None,
+        "row_filter": row_filter or None,
+    }
+
+
+def describe(request: dict[str, Any]) -> str:
+    """``request`` (:func:`read_request`) as the words of an error message."""
+    columns = "all columns" if request["columns"] is None else f"columns {request['columns']!r:.300}"
+    where = f", row_filter={request['row_filter']!r:.300}" if request["row_filter"] else ", no row_filter"
+    return f"bq://{request['table']} ({columns}{where})"
+
+
+def check_saved_request(
+    table: TableSource, record: dict[str, Any], columns: Sequence[str] | None, row_filter: str | None
+) -> bool:
+    """True when a saved session (``record`` from :func:`check_record`) reads what this dataset reads; False
+    when the record does not say (saved by an older vertexrt: its session is not reused).
+
+    Raises:
+        DataError: it reads another table, other columns or another filter (names both).
+    """
+    if record.get("table") is None:
+        return False
+    saved = {key: record.get(key) for key in ("table", "columns", "row_filter")}
+    mine = read_request(table.table_id, columns, row_filter)
+    if saved != mine:
+        raise DataError(
+            f"the data state's read session {record['name']!r:.120} reads {describe(saved)}, and this "
+            f"dataset reads {describe(mine)}: load the state saved for this table, columns and row_filter, "
+            "or leave the state out to start the epoch afresh"
+        )
+    return True
 
 
 def reuse_session(
@@ -257,10 +318,13 @@ def reuse_session(
     project: str | None = None,
 ) -> list[StreamSource] | None:
     """The streams of a saved session (``record`` from :func:`check_record`) while it lives, else None.
+    A session that reads another table, other columns or another filter is a DataError naming both.
 
     The schema comes with each stream's first ``ReadRows`` message. Example:
         >>> reuse_session(parse_table("bq://p.d.t"), state["session"]) or create_session(...)
     """
+    if not check_saved_request(table, record, columns, row_filter):
+        return None
     if time.time() >= record["expires"] - EXPIRY_MARGIN:
         return None
     session, names = record["name"], record["streams"]
@@ -289,17 +353,25 @@ def log_new_session(table_id: str, saved: dict[str, Any] | None, session: str) -
         "table into other streams)",
         table_id,
         saved["name"] if saved else "not saved",
-        "has expired" if saved else "is not in the state",
+        "is not in the state"
+        if not saved
+        else "does not name its table (saved by an older vertexrt)"
+        if saved.get("table") is None
+        else "has expired",
         session,
     )
 
 
-def shared_session(create: Any, rank: int, world_size: int) -> list[StreamSource] | None:
+def shared_session(
+    create: Any, rank: int, world_size: int, request: dict[str, Any] | None = None
+) -> list[StreamSource] | None:
     """The session every rank reads: ``create()`` on the chief, broadcast over ``torch.distributed``.
 
     Returns None when the API is unavailable, or when ``world_size > 1`` and no process group is up
     (sessions cannot be shared without one: each rank would get different streams); the caller then
-    reads with ``list_rows``. The chief's errors are raised on every rank.
+    reads with ``list_rows``. The chief's errors are raised on every rank. With ``request``
+    (:func:`read_request`: what this rank asks to read), the ranks first agree that they all ask for the
+    same; else every rank raises the same DataError naming the chief's request and the first other one.
     """
     if world_size == 1:
         try:
@@ -312,6 +384,8 @@ def shared_session(create: Any, rank: int, world_size: int) -> list[StreamSource
         return None
     import torch.distributed as dist
 
+    if request is not None:
+        _agree(request, rank, world_size)
     box: list[Any] = [None]
     if rank == 0:
         try:
@@ -328,6 +402,31 @@ def shared_session(create: Any, rank: int, world_size: int) -> list[StreamSource
         logger.info("%s; reading with list_rows", value[1])
         return None
     return list(value)
+
+
+def _agree(request: dict[str, Any], rank: int, world_size: int) -> None:
+    """Raise the same DataError on every rank unless every rank's ``request`` is the chief's (every rank
+    calls it; O(1) bytes per rank: the chief's request is broadcast, the first rank that differs is found
+    by a MIN all-reduce and its request broadcast)."""
+    import torch
+    import torch.distributed as dist
+
+    box: list[Any] = [request if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    chief = box[0]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    first = torch.tensor([world_size if request == chief else rank], dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    other = int(first.item())
+    if other == world_size:
+        return
+    box = [request if rank == other else None]
+    dist.broadcast_object_list(box, src=other)
+    raise DataError(
+        f"the ranks open different BigQuery reads: rank 0 reads {describe(chief)} and rank {other} reads "
+        f"{describe(box[0])}; every rank must open the same table with the same columns and row_filter "
+        "(they share one read session)"
+    )
 
 
 def shared_counts(count: Any, streams: Sequence[StreamSource], rank: int, world_size: int) -> list[int]:
@@ -460,7 +559,7 @@ def _check_end(source: StreamSource, offset: int, schema: Any, idle_timeout: flo
         )
 
 
-def transient(err: BaseException) -> bool:
+def transient(err: Exception) -> bool:
     """True for the stream errors that Google's guidance retries: ``UNAVAILABLE``, ``RESOURCE_EXHAUSTED``
     (quota, with the server's ``RetryInfo`` delay when it sends one), ``INTERNAL`` (a dropped HTTP/2
     stream, ``RST_STREAM``), ``DEADLINE_EXCEEDED``, ``ABORTED`` and ``UNKNOWN`` (a transport error with no
