@@ -141,11 +141,12 @@ def test_resuming_with_the_saved_session_of_another_table_is_a_data_error(
 
 
 # -- ranks that open different reads -----------------------------------------------------------------
-CASES = {  # what rank 1 opens while rank 0 opens BIG with all columns and no filter
-    "same": ("big", {}),
-    "table": ("resplit", {}),
-    "columns": ("big", {"columns": ["id"]}),
-    "row_filter": ("big", {"row_filter": "id >= 5"}),
+CASES = {  # case: (both ranks' format options, the table and options of rank 1); rank 0 opens BIG
+    "same": ({}, "big", {}),
+    "table": ({}, "resplit", {}),
+    "columns": ({}, "big", {"columns": ["id"]}),
+    "row_filter": ({}, "big", {"row_filter": "id >= 5"}),
+    "list_rows": ({"storage_api": False}, "resplit", {}),
 }
 
 
@@ -158,12 +159,12 @@ def _opening_rank(rank: int, port: int, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     answers = {}
-    for case, (name, fmt) in CASES.items():
-        uri, options = (BIG, {}) if rank == 0 else (f"bq://proj-1.ds.{name}", fmt)
+    for case, (both, name, fmt) in CASES.items():
+        uri, options = (BIG, both) if rank == 0 else (f"bq://proj-1.ds.{name}", {**both, **fmt})
         ds = open_dataset(uri, format=BigQuery(streams=2, **options), shuffle=False)
         try:
             ds.prepare()
-            answers[case] = f"session {ds.state_dict()['session']['name']}"
+            answers[case] = f"session {(ds.state_dict()['session'] or {}).get('name')}"
         except DataError as err:
             answers[case] = f"DataError: {err}"
     Path(out, f"rank{rank}.json").write_text(json.dumps(answers))
@@ -190,6 +191,7 @@ def test_ranks_that_open_different_tables_columns_or_filters_all_get_one_data_er
     assert answers[0]["same"] == answers[1]["same"] and answers[0]["same"].startswith("session ")
     differs = {
         "table": r"rank 1 reads bq://proj-1\.ds\.resplit \(all columns",
+        "list_rows": r"rank 1 reads bq://proj-1\.ds\.resplit \(all columns",
         "columns": r"rank 1 reads bq://proj-1\.ds\.big \(columns \['id'\]",
         "row_filter": r"rank 1 reads bq://proj-1\.ds\.big \(all columns, row_filter='id >= 5'\)",
     }

@@ -104,14 +104,18 @@ class BigQuery(Format):
         Example:
             >>> streams = BigQuery(columns=["x"]).plan(parse_table("bq://p.d.t"), rank=0, world_size=1)
         """
-        from vertexrt.data.bigquery_storage import read_request, shared_session
+        from vertexrt.data.bigquery_storage import agree, read_request, shared_session
 
         def create() -> list[StreamSource]:
             reused = self.reuse(source, resume) if resume else None
             return reused or self._create(source, world_size, readers)
 
         request = read_request(source.table_id, self.columns, self.row_filter)
-        streams = shared_session(create, rank, world_size, request) if self.storage_api else None
+        if self.storage_api:
+            streams = shared_session(create, rank, world_size, request)
+        else:  # each rank reads its own rows with list_rows, of the same table
+            agree(request, rank, world_size)
+            streams = None
         if streams is None and self.row_filter:
             why = (
                 "which is not available here; enable bigquerystorage.googleapis.com (and, with several "

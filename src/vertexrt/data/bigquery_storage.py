@@ -385,7 +385,7 @@ def shared_session(
     import torch.distributed as dist
 
     if request is not None:
-        _agree(request, rank, world_size)
+        agree(request, rank, world_size)
     box: list[Any] = [None]
     if rank == 0:
         try:
@@ -404,10 +404,13 @@ def shared_session(
     return list(value)
 
 
-def _agree(request: dict[str, Any], rank: int, world_size: int) -> None:
-    """Raise the same DataError on every rank unless every rank's ``request`` is the chief's (every rank
-    calls it; O(1) bytes per rank: the chief's request is broadcast, the first rank that differs is found
-    by a MIN all-reduce and its request broadcast)."""
+def agree(request: dict[str, Any], rank: int, world_size: int) -> None:
+    """Raise the same DataError on every rank unless every rank's ``request`` (:func:`read_request`) is the
+    chief's (every rank calls it; a no-op for one rank or without a torch.distributed group; O(1) bytes
+    per rank: the chief's request is broadcast, the first rank that differs is found by a MIN all-reduce
+    and its request broadcast)."""
+    if world_size == 1 or not _torch_group_up():
+        return
     import torch
     import torch.distributed as dist
 
