@@ -8,6 +8,8 @@ pytest plugin would crash pytest in the test venv. Patches applied before the pa
   ``stats.progress.at_response_start`` as real BigQuery does (as shipped it re-sends from row 0).
 * ``VERTEXRT_BQEMU_FAIL_TABLE=NAME``: the first read of each stream of table ``NAME`` fails with
   ``UNAVAILABLE`` after one message (a stream that breaks mid-read).
+* A table named ``fail_<code>`` (``fail_resource_exhausted``, ``fail_permission_denied``, ...): the first
+  read of each of its streams sends one message, then ends with gRPC status ``<CODE>``.
 * ``VERTEXRT_BQEMU_STALL_TABLE=NAME``: the first read of each stream of table ``NAME`` sends one message,
   then neither a message nor a status until the client reads that stream again, which it does only after
   giving up on this call (a stream that stalls mid-read).
@@ -121,11 +123,11 @@ def _patch() -> None:
         event = {"event": "vertexrt.read_rows", "stream": request.read_stream, "offset": local.offset}
         os.write(1, json.dumps(event).encode() + b"\n")  # one write: server threads log concurrently
         session = "/".join(request.read_stream.split("/")[:-2])
-        fail = (
-            bool(flaky)
-            and tables.get(session, "").endswith(f"/{flaky}")
-            and request.read_stream not in failed
-        )
+        table = tables.get(session, "").rsplit("/", 1)[-1]
+        code = grpc.StatusCode.UNAVAILABLE if flaky and table == flaky else None
+        if table.startswith("fail_"):
+            code = getattr(grpc.StatusCode, table.removeprefix("fail_").upper(), None)
+        fail = code is not None and request.read_stream not in failed
         if request.read_stream in stalled:
             stalled[request.read_stream].set()
         hang = (
@@ -146,8 +148,8 @@ def _patch() -> None:
                 # message (GRPC_CALL_ERROR_TOO_MANY_OPERATIONS), the status is lost and the client waits for
                 # good. A status set before returning goes out after the last message.
                 failed.add(request.read_stream)
-                context.set_code(grpc.StatusCode.UNAVAILABLE)
-                context.set_details("injected: stream broke mid-read")
+                context.set_code(code)
+                context.set_details(f"injected: stream broke mid-read with {code.name}")
                 return
             if honour:
                 response = types.ReadRowsResponse.deserialize(message)

@@ -206,6 +206,9 @@ def test_a_rest_emulator_without_a_storage_emulator_reads_with_list_rows(monkeyp
         ({"name": "s", "expires": 1.0, "streams": ["other/streams/0"]}, "'streams'"),
         ({"name": "s", "expires": 1.0, "streams": ["0"], "counts": [1, 2]}, "'counts'"),
         ({"name": "s", "expires": 1.0, "streams": ["0"], "counts": [-1]}, "'counts'"),
+        ({"name": "s", "expires": 1.0, "streams": ["0"], "table": 7}, "'table'"),
+        ({"name": "s", "expires": 1.0, "streams": ["0"], "columns": "id"}, "'columns'"),
+        ({"name": "s", "expires": 1.0, "streams": ["0"], "row_filter": ["x"]}, "'row_filter'"),
     ],
 )
 def test_a_saved_session_is_checked_before_it_is_used(record: Any, key: str) -> None:
@@ -214,7 +217,9 @@ def test_a_saved_session_is_checked_before_it_is_used(record: Any, key: str) -> 
     with pytest.raises(DataError, match=f"data state's 'session'.*{re.escape(key)}"):
         check_record(record)
     good = {"name": "s", "expires": 1.0, "streams": ["0", "s/streams/1"], "counts": [3, 4]}
-    assert check_record(good) == good
+    assert check_record(good) == {**good, "table": None, "columns": None, "row_filter": None}
+    request = {"table": "p.d.t", "columns": ["x"], "row_filter": "x > 0"}
+    assert check_record({**good, **request}) == {**good, **request}
 
 
 @exits_hard

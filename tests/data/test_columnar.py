@@ -247,3 +247,73 @@ def test_csv_type_drift_across_files_names_the_file_and_column(tmp_path) -> None
     ds = open_dataset(files, batch_size=3, columnar="arrow", shuffle=False, rank=0, world_size=1)
     with pytest.raises(DataError, match=r"column 'x' is string in .*b\.csv and double in .*a\.csv"):
         list(ds)
+
+
+TYPED_ROWS = 100
+BIG_ID = 2**53  # + n: float64 cannot hold 2**53 + 1
+
+
+def typed_table(emu, monkeypatch) -> str:
+    """``ds.typed``: ``n`` 0..99, a nullable INT64 ``id`` past 2**53, a nullable TIMESTAMP ``ts`` and DATE
+    ``d``."""
+    from vertexrt.clients import bigquery_client
+
+    from .test_bigquery_storage import use
+
+    use(emu, monkeypatch)
+    bigquery_client("proj-1").query(
+        "CREATE TABLE IF NOT EXISTS ds.typed AS SELECT x AS n, "
+        f"IF(MOD(x, 3) = 0, NULL, x + {BIG_ID}) AS id, "
+        "IF(MOD(x, 5) = 4, NULL, "
+        "TIMESTAMP_ADD(TIMESTAMP '2020-01-01 00:00:00 UTC', INTERVAL x SECOND)) AS ts, "
+        "IF(MOD(x, 7) = 6, NULL, DATE_ADD(DATE '2020-01-01', INTERVAL x DAY)) AS d "
+        f"FROM UNNEST(GENERATE_ARRAY(0, {TYPED_ROWS - 1})) AS x"
+    ).result()
+    return "bq://proj-1.ds.typed"
+
+
+def expected(n: int, nat: int) -> tuple[int, int, int]:
+    """``(id, ts, d)`` of row ``n`` as tensors carry them: NULL id 0, NULL timestamp / date ``nat``."""
+    epoch_2020 = 1_577_836_800  # 2020-01-01 in seconds since 1970-01-01 UTC; 18,262 days
+    return (
+        0 if n % 3 == 0 else BIG_ID + n,
+        nat if n % 5 == 4 else (epoch_2020 + n) * 1_000_000,
+        nat if n % 7 == 6 else 18_262 + n,
+    )
+
+
+@pytest.mark.parametrize("columnar", [True, "arrow"])
+def test_bigquery_int64_with_nulls_stays_exact_and_timestamps_reach_torch_and_tf(
+    bq_emulator, monkeypatch, columnar
+) -> None:
+    import numpy as np
+    import tensorflow as tf
+
+    from vertexrt.data.torch import DataLoader
+
+    uri = typed_table(bq_emulator(True), monkeypatch)
+
+    def opened() -> object:
+        return open_dataset(uri, batch_size=16, columnar=columnar, shuffle=False, rank=0, world_size=1)
+
+    if columnar is True:  # numpy: a masked int64 column, exact; datetime64 with NaT for NULL
+        batch = next(iter(opened()))
+        assert isinstance(batch["id"], np.ma.MaskedArray) and batch["id"].dtype == np.int64
+        assert batch["id"][1] == BIG_ID + 1 and batch["id"].mask.tolist()[:4] == [True, False, False, True]
+        assert batch["ts"].dtype == np.dtype("datetime64[us]") and batch["d"].dtype == np.dtype(
+            "datetime64[D]"
+        )
+        assert np.isnat(batch["ts"][4]) and str(batch["d"][1]) == "2020-01-02"
+    nat = -(2**63)
+    rows = [expected(n, nat) for n in range(TYPED_ROWS)]
+    names = ("n", "id", "ts", "d")
+    torch_rows = []
+    for batch in DataLoader(opened()):
+        assert all(str(batch[k].dtype) == "torch.int64" for k in names)
+        torch_rows += zip(*(batch[k].tolist() for k in names), strict=True)
+    assert [row[1:] for row in sorted(torch_rows)] == rows
+    tf_rows = []
+    for batch in opened().as_tf():
+        assert all(batch[k].dtype == tf.int64 for k in names)
+        tf_rows += zip(*(batch[k].numpy().tolist() for k in names), strict=True)
+    assert [row[1:] for row in sorted(tf_rows)] == rows

@@ -98,18 +98,24 @@ class BigQuery(Format):
         workers).
 
         Call it in the main process of every rank at the same point (it may broadcast);
-        :meth:`~vertexrt.data.dataset.Dataset.prepare` does.
+        :meth:`~vertexrt.data.dataset.Dataset.prepare` does. With several ranks, every rank must open the
+        same table, columns and row filter: else every rank raises the same DataError naming two of them.
 
         Example:
             >>> streams = BigQuery(columns=["x"]).plan(parse_table("bq://p.d.t"), rank=0, world_size=1)
         """
-        from vertexrt.data.bigquery_storage import shared_session
+        from vertexrt.data.bigquery_storage import agree, read_request, shared_session
 
         def create() -> list[StreamSource]:
             reused = self.reuse(source, resume) if resume else None
             return reused or self._create(source, world_size, readers)
 
-        streams = shared_session(create, rank, world_size) if self.storage_api else None
+        request = read_request(source.table_id, self.columns, self.row_filter)
+        if self.storage_api:
+            streams = shared_session(create, rank, world_size, request)
+        else:  # each rank reads its own rows with list_rows, of the same table
+            agree(request, rank, world_size)
+            streams = None
         if streams is None and self.row_filter:
             why = (
                 "which is not available here; enable bigquerystorage.googleapis.com (and, with several "
@@ -132,6 +138,17 @@ class BigQuery(Format):
         from vertexrt.data.bigquery_storage import reuse_session
 
         return reuse_session(source, record, self.columns, self.row_filter, self.project)
+
+    def check_saved(self, source: TableSource, record: dict[str, Any]) -> None:
+        """Raise a DataError unless a saved session (a data state's checked ``session``) reads ``source``
+        with this format's columns and row filter (names both).
+
+        Example:
+            >>> fmt.check_saved(table, check_record(state["session"]))
+        """
+        from vertexrt.data.bigquery_storage import check_saved_request
+
+        check_saved_request(source, record, self.columns, self.row_filter)
 
     def renew(
         self,

@@ -188,13 +188,14 @@ def create_session(
 def session_record(
     streams: Sequence[StreamSource], counts: Sequence[int] | None = None
 ) -> dict[str, Any] | None:
-    """What a data state keeps of a plan to read the same streams again: session, stream names, expiry,
-    and the rows of each stream when they were counted (for ``equalize``).
+    """What a data state keeps of a plan to read the same streams again: session, what it reads (table,
+    columns, row filter: :func:`read_request`), stream names, expiry, and the rows of each stream when they
+    were counted (for ``equalize``).
 
     Example:
         >>> session_record(streams, [50000, 50000])
-        {'name': 'projects/p/locations/US/sessions/ab12', 'expires': 1767225600.0, 'streams': ['0', '1'],
-         'counts': [50000, 50000]}
+        {'name': 'projects/p/locations/US/sessions/ab12', 'table': 'p.d.t', 'columns': None,
+         'row_filter': None, 'expires': 1767225600.0, 'streams': ['0', '1'], 'counts': [50000, 50000]}
     """
     if not streams:
         return None
@@ -202,6 +203,7 @@ def session_record(
     prefix = f"{session}/streams/"
     record = {
         "name": session,
+        **read_request(streams[0].table_id, streams[0].columns, streams[0].row_filter),
         "expires": streams[0].expires,
         "streams": [s.stream[len(prefix) :] if s.stream.startswith(prefix) else s.stream for s in streams],
     }
@@ -246,7 +248,66 @@ def check_record(record: Any) -> dict[str, Any] | None:
             f"{where}: 'counts' must be the rows of each of its {len(streams)} streams, not {counts!r:.80}; "
             "save the state again"
         )
-    return {"name": name, "expires": float(expires), "streams": list(streams), "counts": counts}
+    request = {key: record.get(key) for key in ("table", "columns", "row_filter")}
+    table, columns, row_filter = request.values()
+    if (
+        not (table is None or isinstance(table, str) and 0 < len(table) <= 1024)
+        or not (
+            columns is None
+            or isinstance(columns, list)
+            and len(columns) <= 100_000
+            and all(isinstance(c, str) and len(c) <= 1024 for c in columns)
+        )
+        or not (row_filter is None or isinstance(row_filter, str) and len(row_filter) <= 1_000_000)
+    ):
+        raise DataError(
+            f"{where}: 'table', 'columns' and 'row_filter' must be what the session reads (a table id, a "
+            f"list of column names or null, a filter or null), not {request!r:.120}; save the state again"
+        )
+    return {"name": name, **request, "expires": float(expires), "streams": list(streams), "counts": counts}
+
+
+def read_request(table_id: str, columns: Sequence[str] | None, row_filter: str | None) -> dict[str, Any]:
+    """What a read session reads, as a data state keeps it and as ranks compare it.
+
+    Example:
+        >>> read_request("p.d.t", ("x",), "x > 0")
+        {'table': 'p.d.t', 'columns': ['x'], 'row_filter': 'x > 0'}
+    """
+    return {
+        "table": table_id,
+        "columns": list(columns) if columns is not None else None,
+        "row_filter": row_filter or None,
+    }
+
+
+def describe(request: dict[str, Any]) -> str:
+    """``request`` (:func:`read_request`) as the words of an error message."""
+    columns = "all columns" if request["columns"] is None else f"columns {request['columns']!r:.300}"
+    where = f", row_filter={request['row_filter']!r:.300}" if request["row_filter"] else ", no row_filter"
+    return f"bq://{request['table']} ({columns}{where})"
+
+
+def check_saved_request(
+    table: TableSource, record: dict[str, Any], columns: Sequence[str] | None, row_filter: str | None
+) -> bool:
+    """True when a saved session (``record`` from :func:`check_record`) reads what this dataset reads; False
+    when the record does not say (saved by an older vertexrt: its session is not reused).
+
+    Raises:
+        DataError: it reads another table, other columns or another filter (names both).
+    """
+    if record.get("table") is None:
+        return False
+    saved = {key: record.get(key) for key in ("table", "columns", "row_filter")}
+    mine = read_request(table.table_id, columns, row_filter)
+    if saved != mine:
+        raise DataError(
+            f"the data state's read session {record['name']!r:.120} reads {describe(saved)}, and this "
+            f"dataset reads {describe(mine)}: load the state saved for this table, columns and row_filter, "
+            "or leave the state out to start the epoch afresh"
+        )
+    return True
 
 
 def reuse_session(
@@ -257,10 +318,13 @@ def reuse_session(
     project: str | None = None,
 ) -> list[StreamSource] | None:
     """The streams of a saved session (``record`` from :func:`check_record`) while it lives, else None.
+    A session that reads another table, other columns or another filter is a DataError naming both.
 
     The schema comes with each stream's first ``ReadRows`` message. Example:
         >>> reuse_session(parse_table("bq://p.d.t"), state["session"]) or create_session(...)
     """
+    if not check_saved_request(table, record, columns, row_filter):
+        return None
     if time.time() >= record["expires"] - EXPIRY_MARGIN:
         return None
     session, names = record["name"], record["streams"]
@@ -289,17 +353,25 @@ def log_new_session(table_id: str, saved: dict[str, Any] | None, session: str) -
         "table into other streams)",
         table_id,
         saved["name"] if saved else "not saved",
-        "has expired" if saved else "is not in the state",
+        "is not in the state"
+        if not saved
+        else "does not name its table (saved by an older vertexrt)"
+        if saved.get("table") is None
+        else "has expired",
         session,
     )
 
 
-def shared_session(create: Any, rank: int, world_size: int) -> list[StreamSource] | None:
+def shared_session(
+    create: Any, rank: int, world_size: int, request: dict[str, Any] | None = None
+) -> list[StreamSource] | None:
     """The session every rank reads: ``create()`` on the chief, broadcast over ``torch.distributed``.
 
     Returns None when the API is unavailable, or when ``world_size > 1`` and no process group is up
     (sessions cannot be shared without one: each rank would get different streams); the caller then
-    reads with ``list_rows``. The chief's errors are raised on every rank.
+    reads with ``list_rows``. The chief's errors are raised on every rank. With ``request``
+    (:func:`read_request`: what this rank asks to read), the ranks first agree that they all ask for the
+    same; else every rank raises the same DataError naming the chief's request and the first other one.
     """
     if world_size == 1:
         try:
@@ -312,6 +384,8 @@ def shared_session(create: Any, rank: int, world_size: int) -> list[StreamSource
         return None
     import torch.distributed as dist
 
+    if request is not None:
+        agree(request, rank, world_size)
     box: list[Any] = [None]
     if rank == 0:
         try:
@@ -328,6 +402,34 @@ def shared_session(create: Any, rank: int, world_size: int) -> list[StreamSource
         logger.info("%s; reading with list_rows", value[1])
         return None
     return list(value)
+
+
+def agree(request: dict[str, Any], rank: int, world_size: int) -> None:
+    """Raise the same DataError on every rank unless every rank's ``request`` (:func:`read_request`) is the
+    chief's (every rank calls it; a no-op for one rank or without a torch.distributed group; O(1) bytes
+    per rank: the chief's request is broadcast, the first rank that differs is found by a MIN all-reduce
+    and its request broadcast)."""
+    if world_size == 1 or not _torch_group_up():
+        return
+    import torch
+    import torch.distributed as dist
+
+    box: list[Any] = [request if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    chief = box[0]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    first = torch.tensor([world_size if request == chief else rank], dtype=torch.int64, device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    other = int(first.item())
+    if other == world_size:
+        return
+    box = [request if rank == other else None]
+    dist.broadcast_object_list(box, src=other)
+    raise DataError(
+        f"the ranks open different BigQuery reads: rank 0 reads {describe(chief)} and rank {other} reads "
+        f"{describe(box[0])}; every rank must open the same table with the same columns and row_filter "
+        "(they share one read session)"
+    )
 
 
 def shared_counts(count: Any, streams: Sequence[StreamSource], rank: int, world_size: int) -> list[int]:
@@ -406,11 +508,17 @@ def read_stream(
     import pyarrow as pa
     from google.api_core import exceptions as gexc
 
+    if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < 2**63:
+        raise DataError(
+            f"{source.uri}: row offset {offset!r:.40} is not a row of the stream (a tampered or foreign "
+            "data state): start the epoch afresh"
+        )
     if time.time() >= source.expires - EXPIRY_MARGIN:
         source = _renewed(source, "has expired")
     schema = pa.ipc.read_schema(pa.py_buffer(source.schema)) if source.schema else None
     pos = offset
     failures = 0
+    pauses = _backoff()
     while True:
         try:
             for batch in _read_from(source, pos, schema, idle_timeout):
@@ -418,27 +526,102 @@ def read_stream(
                     schema = batch.schema
                 pos += batch.num_rows
                 failures = 0
+                pauses = _backoff()
                 yield pos - batch.num_rows, batch
+            if pos == offset > 0:
+                _check_end(source, offset, schema, idle_timeout)
             return
         except (gexc.NotFound, gexc.FailedPrecondition) as err:
             if failures:
-                raise DataError(f"{source.uri}: reading from row {pos} failed ({err})") from None
+                raise _stream_error(source, pos, err) from None
             failures += 1
             source = _renewed(source, f"is gone ({type(err).__name__})")
-        except (
+        except gexc.GoogleAPICallError as err:
+            failures += 1
+            if not transient(err) or failures > RETRIES:
+                raise _stream_error(source, pos, err, failures) from None
+            logger.warning("%s: stream broke at row %d (%s); retrying from there", source.uri, pos, err)
+            time.sleep(max(next(pauses), _retry_delay(err)))
+
+
+def _check_end(source: StreamSource, offset: int, schema: Any, idle_timeout: float) -> None:
+    """Raise a DataError when ``offset`` lies past the end of the stream (a read from it gave no row: the
+    stream either ends exactly there, or the offset is out of bounds; a read from ``offset - 1`` tells)."""
+    from google.api_core import exceptions as gexc
+
+    try:
+        last = sum(batch.num_rows for batch in _read_from(source, offset - 1, schema, idle_timeout))
+    except (gexc.InvalidArgument, gexc.OutOfRange):
+        last = 0
+    except gexc.GoogleAPICallError as err:
+        raise _stream_error(source, offset - 1, err) from None
+    if not last:
+        raise DataError(
+            f"{source.uri}: the resume offset {offset} is past the end of stream {source.stream}; the data "
+            "state was altered or belongs to another session: start the epoch afresh"
+        )
+
+
+def transient(err: Exception) -> bool:
+    """True for the stream errors that Google's guidance retries: ``UNAVAILABLE``, ``RESOURCE_EXHAUSTED``
+    (quota, with the server's ``RetryInfo`` delay when it sends one), ``INTERNAL`` (a dropped HTTP/2
+    stream, ``RST_STREAM``), ``DEADLINE_EXCEEDED``, ``ABORTED`` and ``UNKNOWN`` (a transport error with no
+    status). The others (``UNAUTHENTICATED``, ``PERMISSION_DENIED``, ``CANCELLED``, ``INVALID_ARGUMENT``,
+    ``OUT_OF_RANGE``, ...) will not heal by retrying."""
+    from google.api_core import exceptions as gexc
+    from google.api_core.retry import if_exception_type
+
+    return bool(
+        if_exception_type(
             gexc.ServiceUnavailable,
+            gexc.ResourceExhausted,
             gexc.InternalServerError,
             gexc.DeadlineExceeded,
             gexc.Aborted,
-        ) as err:
-            failures += 1
-            if failures > RETRIES:
-                raise DataError(
-                    f"{source.uri}: reading from row {pos} failed {failures} times ({err}); "
-                    "check the network and the BigQuery quota, then resume from the last checkpoint"
-                ) from None
-            logger.warning("%s: stream broke at row %d (%s); retrying from there", source.uri, pos, err)
-            time.sleep(min(0.1 * 2**failures, 5.0))
+            gexc.Unknown,
+        )(err)
+    )
+
+
+def _backoff() -> Iterator[float]:
+    """Seconds to wait before each retry of a broken stream: exponential with jitter (``google.api_core``)."""
+    from google.api_core.retry import exponential_sleep_generator
+
+    return exponential_sleep_generator(initial=0.2, maximum=30.0, multiplier=2.0)
+
+
+def _retry_delay(err: BaseException) -> float:
+    """The delay a ``RESOURCE_EXHAUSTED`` status asks for in its ``RetryInfo`` detail (at most 60 s), or 0."""
+    for detail in getattr(err, "details", None) or ():
+        delay = getattr(detail, "retry_delay", None)
+        if delay is not None and hasattr(delay, "seconds"):
+            return min(60.0, float(delay.seconds) + float(getattr(delay, "nanos", 0)) / 1e9)
+    return 0.0
+
+
+_FIXES = {
+    "UNAUTHENTICATED": "the job's credentials were refused: check the service account or run "
+    "`gcloud auth application-default login`",
+    "PERMISSION_DENIED": "grant the job's service account roles/bigquery.readSessionUser on the project and "
+    "roles/bigquery.dataViewer on the table",
+    "CANCELLED": "the read was cancelled (by the server or a shutdown): resume from the last checkpoint",
+    "INVALID_ARGUMENT": "the stream or its row offset is not valid (a data state of another table or "
+    "session?): start the epoch afresh",
+    "OUT_OF_RANGE": "the row offset is past the stream's end: start the epoch afresh",
+    "NOT_FOUND": "the read session is gone, also in a new session: start the epoch afresh",
+    "FAILED_PRECONDITION": "the read session is gone, also in a new session: start the epoch afresh",
+}
+
+
+def _stream_error(source: StreamSource, pos: int, err: Any, failures: int = 1) -> DataError:
+    """The typed error of a stream that failed for good: names the table, stream, row and code."""
+    code = getattr(getattr(err, "grpc_status_code", None), "name", None) or type(err).__name__
+    times = f" {failures} times" if failures > 1 else ""
+    fix = _FIXES.get(code, "check the network and the BigQuery quota, then resume from the last checkpoint")
+    return DataError(
+        f"{source.uri}: reading stream {source.stream} from row {pos} failed{times} ({code}: "
+        f"{getattr(err, 'message', err)}); {fix}"
+    )
 
 
 def _read_from(source: StreamSource, offset: int, schema: Any, idle_timeout: float) -> Iterator[Any]:

@@ -40,11 +40,10 @@ class Columns:
         return self.numpy().data
 
     def numpy(self) -> NumpyColumns:
-        """These columns as :class:`NumpyColumns`."""
+        """These columns as :class:`NumpyColumns` (see :func:`numpy_column`)."""
         batch = self.batch
         data = {
-            name: column.to_numpy(zero_copy_only=False)
-            for name, column in zip(batch.schema.names, batch.columns, strict=True)
+            name: numpy_column(column) for name, column in zip(batch.schema.names, batch.columns, strict=True)
         }
         return NumpyColumns(data, batch.num_rows)
 
@@ -60,9 +59,50 @@ class Columns:
         return Columns(self.batch.take(np.arange(start, stop, step)), self.uri)
 
 
+def numpy_column(column: Any) -> Any:
+    """A ``pyarrow.Array`` as numpy, exact: numeric columns zero-copy where Arrow allows it; an integer or
+    boolean column with NULLs a ``numpy.ma.MaskedArray`` of its own dtype (NULL masked, 0 beneath: never
+    float64, which rounds integers past 2**53); TIMESTAMP / DATETIME ``datetime64[us]`` (UTC), DATE
+    ``datetime64[D]``, NULL as ``NaT``; strings, bytes, lists and structs object arrays.
+
+    Example:
+        >>> ids = numpy_column(pa.array([2**53 + 1, None]))
+        >>> ids.dtype, ids[0] == 2**53 + 1, ids.mask.tolist()
+        (dtype('int64'), True, [False, True])
+    """
+    import pyarrow as pa
+
+    kind = column.type
+    if column.null_count and (pa.types.is_integer(kind) or pa.types.is_boolean(kind)):
+        import numpy as np
+
+        values = column.fill_null(False if pa.types.is_boolean(kind) else 0).to_numpy(zero_copy_only=False)
+        return np.ma.MaskedArray(values, mask=column.is_null().to_numpy(zero_copy_only=False))
+    return column.to_numpy(zero_copy_only=False)
+
+
+def tensor_ready(array: Any) -> Any:
+    """A numpy column as the torch and tf adapters hand it over: ``datetime64`` as int64 in its unit
+    (TIMESTAMP: microseconds since 1970-01-01 UTC, DATE: days since then; ``NaT``, a NULL, as -2**63), a
+    masked integer or boolean column as its values with NULL as 0 / False (the mask is in the numpy
+    batch); anything else as it is.
+
+    Example:
+        >>> tensor_ready(np.array(["1970-01-02"], "datetime64[D]"))
+        array([1])
+    """
+    import numpy as np
+
+    if isinstance(array, np.ma.MaskedArray):
+        return array.filled(0)
+    if isinstance(array, np.ndarray) and array.dtype.kind in "mM":
+        return array.view(np.int64)
+    return array
+
+
 def numpy_batch(batch: Any) -> dict[str, Any]:
-    """A ``pyarrow.RecordBatch`` as ``{name: numpy array}``, as ``columnar=True`` gives it (numeric columns
-    zero-copy where Arrow allows it, strings as object arrays).
+    """A ``pyarrow.RecordBatch`` as ``{name: numpy array}``, as ``columnar=True`` gives it
+    (:func:`numpy_column`).
 
     Example:
         >>> numpy_batch(pa.record_batch({"x": [1, 2]}))["x"].dtype
@@ -141,8 +181,12 @@ def concat(pieces: Sequence[Any]) -> Any:
             return first
         import numpy as np
 
+        def joined(arrays: list[Any]) -> Any:  # a column with NULLs in any piece stays masked
+            masked = any(isinstance(a, np.ma.MaskedArray) for a in arrays)
+            return np.ma.concatenate(arrays) if masked else np.concatenate(arrays)
+
         return NumpyColumns(
-            {k: np.concatenate([p.data[k] for p in pieces]) for k in first.data}, sum(p.rows for p in pieces)
+            {k: joined([p.data[k] for p in pieces]) for k in first.data}, sum(p.rows for p in pieces)
         )
     return list(chain.from_iterable(pieces))
 

@@ -325,6 +325,13 @@ class Dataset:
                 "(don't call load_state_dict, or delete the data state from the checkpoint directory) to "
                 "start the epoch afresh"
             )
+        session = None
+        if isinstance(self.sources, TableSource):  # checked before anything changes: the saved read session
+            from vertexrt.data.bigquery_storage import check_record
+
+            session = check_record(state.get("session"))
+            if session:  # one of another table, other columns or another filter is a DataError
+                self.format.check_saved(self.sources, session)  # type: ignore[attr-defined]
         self._epoch = int(state["epoch"])
         self._cursors = {int(k): Cursor.from_dict(v) for k, v in state.get("cursors", {}).items()}
         self._readers = state.get("readers")
@@ -339,9 +346,9 @@ class Dataset:
             # made before (a DataLoader plans when it is made) is replaced here, without a broadcast
             # (each rank holds the same saved session) and with the saved counts, so that DataLoader
             # workers that start next read the saved streams and count nothing.
-            from vertexrt.data.bigquery_storage import check_record, log_new_session
+            from vertexrt.data.bigquery_storage import log_new_session
 
-            self._session = saved = check_record(state.get("session"))
+            self._session = saved = session
             self._renew_epoch = self._epoch
             planned = self._streams[0] if self._streams is not None else None
             if self._cursors and planned and (saved is None or planned[0].session != saved["name"]):

@@ -94,11 +94,13 @@ class _Passes:
 
 
 def _records(dataset: Dataset) -> Iterator[Any]:
-    """Iterate ``dataset``; ``columnar="arrow"`` batches as numpy dicts (tf.data takes those)."""
-    if dataset.arrow:
-        from vertexrt.data.columns import numpy_batch
+    """Iterate ``dataset``; column batches as numpy dicts that tf.data takes (``columns.tensor_ready``:
+    TIMESTAMP / DATE as int64 microseconds / days since the epoch, NULL integers as 0)."""
+    if dataset.columnar:
+        from vertexrt.data.columns import numpy_batch, tensor_ready
 
-        return map(numpy_batch, iter(dataset))
+        batches = map(numpy_batch, iter(dataset)) if dataset.arrow else iter(dataset)
+        return ({name: tensor_ready(column) for name, column in batch.items()} for batch in batches)
     return iter(dataset)
 
 

@@ -97,10 +97,11 @@ class TorchIterable(IterableDataset):  # type: ignore[type-arg]
         if generation != self._seen:
             self._seen = generation
             dataset.set_epoch(int(self._shared[0]))
-        if dataset.arrow:  # Arrow batches become numpy dicts; the loader makes them tensors
-            from vertexrt.data.columns import numpy_batch
+        if dataset.columnar:  # numpy dicts that torch takes (columns.tensor_ready); the loader makes tensors
+            from vertexrt.data.columns import numpy_batch, tensor_ready
 
-            return map(numpy_batch, iter(dataset))
+            batches = map(numpy_batch, iter(dataset)) if dataset.arrow else iter(dataset)
+            return ({name: tensor_ready(column) for name, column in batch.items()} for batch in batches)
         return iter(dataset)
 
     def state_dict(self) -> dict[str, Any]:
