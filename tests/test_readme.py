@@ -77,7 +77,15 @@ def test_readme_block_runs_as_written(code: str, readme_data: str, tmp_path: Pat
     script = tmp_path / "snippet.py"
     script.write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AIP_", "CLOUD_ML_", "VERTEXRT_"))}
-    for name in ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for name in (
+        "CLUSTER_SPEC",
+        "TF_CONFIG",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(name, None)
     env.update(
         AIP_TRAINING_DATA_URI=readme_data,
