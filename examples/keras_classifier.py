@@ -3,9 +3,9 @@ exact mid-epoch resume (weights, optimizer and every worker's read position), pr
 reports, TensorBoard and a multi-worker-safe export, all through vertexrt.
 
 It writes its synthetic data first (next to the job's outputs: local disk, /gcs/ or gs://), trains with
-tf-keras (Keras 3 `fit` fails under MultiWorkerMirroredStrategy on TF 2.21), and exports `model.keras` to
-`AIP_MODEL_DIR` (every worker saves, the chief's copy lands). A preempted and restarted run ends with the
-same weights as an uninterrupted one (compare the printed `weights_sha256`).
+tf-keras (Keras 3 `fit` fails under MultiWorkerMirroredStrategy on TF 2.21), and exports a SavedModel (what
+Vertex AI serving loads) to `AIP_MODEL_DIR` (every worker saves, the chief's copy lands). A preempted and
+restarted run ends with the same weights as an uninterrupted one (compare the printed `weights_sha256`).
 
     python examples/keras_classifier.py
     vertexrt local-run --workers 2 -- python examples/keras_classifier.py

@@ -9,6 +9,7 @@ import pytest
 
 import vertexrt
 from vertexrt import clients
+from vertexrt.errors import ConfigError
 
 
 def test_storage_options_bound_to_project_and_emulator(vertex_env, monkeypatch):
@@ -27,6 +28,21 @@ def test_bigquery_client_bound_to_project(vertex_env, monkeypatch):
     client = clients.bigquery_client()
     assert client.project == "271828"
     assert client._connection.API_BASE_URL == "http://127.0.0.1:9050"
+
+
+def test_bigquery_client_without_credentials_is_a_config_error_naming_the_fix(
+    clean_env, monkeypatch, tmp_path
+):
+    """What `vertexrt local-run` gives a script on a machine with no Google credentials: a project
+    (local-project), no key file, no gcloud login; google-auth's error comes out typed, with the fix."""
+    monkeypatch.setenv("CLOUD_ML_PROJECT_ID", "local-project")
+    for name in ("BIGQUERY_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))  # no application-default login there
+    monkeypatch.setenv("NO_GCE_CHECK", "True")  # not a Compute Engine VM: no metadata server to ask
+    with pytest.raises(ConfigError, match="gcloud auth application-default login") as raised:
+        clients.bigquery_client()
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in str(raised.value) and "local-project" in str(raised.value)
 
 
 def test_top_level_names_come_from_clients():

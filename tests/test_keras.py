@@ -244,7 +244,7 @@ def test_example_multiworker_preempted_then_resumed(tmp_path):
     assert "final val_accuracy=" in log
     accuracy = float(log.split("final val_accuracy=")[1].split()[0])
     assert accuracy > 0.8
-    assert (base / "model" / "model.keras").exists()
+    assert (base / "model" / "saved_model.pb").exists()  # the SavedModel Vertex serving loads
     steps = [json.loads(line)["global_step"] for line in metrics.read_text().splitlines()]
     assert steps[-1] == "3"
 
@@ -290,11 +290,11 @@ def _outputs(tmp_path: Path, root: str, **env_vars: str) -> dict:
 @pytest.mark.slow
 def test_tensorboard_and_export_reach_the_output_dirs(tmp_path, storage_root):
     """vk.TensorBoard writes Keras's events locally and uploads them (gs:// against the emulator too);
-    vk.export lands the chief's model.keras in the model dir."""
+    vk.export lands the chief's SavedModel in the model dir."""
     result = _outputs(tmp_path, storage_root)
     files = result["files"]
-    assert result["where"] == storage_root.rstrip("/") + "/model/model.keras"
-    assert "/model/model.keras" in files
+    assert result["where"] == storage_root.rstrip("/") + "/model"
+    assert "/model/saved_model.pb" in files and any(f.startswith("/model/variables/") for f in files), files
     assert any(f.startswith("/logs/train/events.out.tfevents") for f in files), files
     assert any(f.startswith("/logs/validation/") for f in files) is False  # no validation data
     train_events = next(f for f in files if f.startswith("/logs/train/"))
@@ -316,5 +316,65 @@ def test_non_chief_saves_but_writes_nothing_to_the_output_dirs(tmp_path):
     root.mkdir()
     result = _outputs(tmp_path, str(root), TF_CONFIG=json.dumps(tf_config))
     assert result["files"] == []
-    assert result["where"] == str(root / "model" / "model.keras")
+    assert result["where"] == str(root / "model")
     assert not os.path.exists(result["scratch"])
+
+
+LAMBDA_EXPORT = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np
+    import tensorflow as tf
+    from vertexrt import keras as vk
+
+    def build():  # the Lambda closes over modules, as `import ...` inside a model builder makes it
+        import tensorflow as tfl
+        scale = np
+        return tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3),
+                                    tf.keras.layers.Lambda(lambda t: tfl.abs(t) * scale.float32(2)),
+                                    tf.keras.layers.Dense(2)])
+
+    root = sys.argv[1]
+    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+    model = build()
+    model.compile(optimizer="sgd", loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, (x[:, 0] > 0).astype("int64"), batch_size=8, epochs=1, verbose=0)
+    result = {}
+    names = {"default": None, "named": "savedmodel", "h5": "model.h5", "keras": "model.keras"}
+    for name, filename in names.items():
+        where = vk.export(model, os.path.join(root, name), filename=filename)
+        served = None
+        if os.path.isfile(os.path.join(where, "saved_model.pb")):
+            outputs = tf.saved_model.load(where).signatures["serving_default"](tf.constant(x[:5]))
+            served = bool(np.allclose(next(iter(outputs.values())).numpy(), model(x[:5]).numpy()))
+        files = sorted(os.listdir(os.path.join(root, name)))
+        result[name] = {"where": os.path.relpath(where, root), "files": files, "served": served}
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+@pytest.mark.slow
+def test_export_writes_a_servable_saved_model_of_a_lambda_model_under_tf_keras(tmp_path):
+    """vk.export(model) of a tf-keras model whose Lambda closes over modules (a sample's "cannot pickle
+    'module' object" after training): a SavedModel at the top of the model dir whose serving_default gives the
+    model's outputs; filename="savedmodel" one in that subdirectory; a Keras file Keras cannot write
+    (model.h5 here) becomes a SavedModel with a warning, never a failed trial; model.keras stays an option."""
+    pytest.importorskip("tf_keras")
+    env = {k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG")}
+    env.update(TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run(
+        [sys.executable, "-c", LAMBDA_EXPORT, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    top = ["fingerprint.pb", "saved_model.pb", "variables"]  # where Vertex serving looks for saved_model.pb
+    assert result["default"] == {"where": "default", "files": top, "served": True}
+    assert result["named"] == {"where": "named/savedmodel", "files": ["savedmodel"], "served": True}
+    assert result["h5"] == {"where": "h5/model", "files": ["model"], "served": True}
+    assert "could not save model.h5 (TypeError: cannot pickle 'module' object)" in proc.stderr
+    assert result["keras"] == {"where": "keras/model.keras", "files": ["model.keras"], "served": None}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 from vertexrt.env import project_from_environ, project_id
+from vertexrt.errors import ConfigError
 
 TYPE_CHECKING = False  # `typing` stays off the import path
 if TYPE_CHECKING:
@@ -58,9 +59,13 @@ def bigquery_client(project: str | None = None, **kwargs: Any) -> bigquery.Clien
     ``BIGQUERY_EMULATOR_HOST`` (``http://host:port``) points it at a local server with anonymous
     credentials.
 
+    Raises:
+        ConfigError: no project resolves, or no Google credentials are found (the message names the fix).
+
     Example:
         >>> rows = vertexrt.bigquery_client().query("SELECT 1").result()
     """
+    from google.auth.exceptions import DefaultCredentialsError
     from google.cloud import bigquery
 
     endpoint = _endpoint("BIGQUERY_EMULATOR_HOST")
@@ -69,7 +74,16 @@ def bigquery_client(project: str | None = None, **kwargs: Any) -> bigquery.Clien
 
         kwargs.setdefault("client_options", {"api_endpoint": endpoint})
         kwargs.setdefault("credentials", AnonymousCredentials())
-    return bigquery.Client(project=project_id(project), **kwargs)
+    resolved = project_id(project)
+    try:
+        return bigquery.Client(project=resolved, **kwargs)
+    except DefaultCredentialsError as exc:
+        raise ConfigError(
+            f"bigquery_client(): no Google credentials for project {resolved!r} ({exc}). Locally run "
+            "`gcloud auth application-default login`, or set GOOGLE_APPLICATION_CREDENTIALS to a service "
+            "account key file, or BIGQUERY_EMULATOR_HOST=http://host:port for a local server; in a Vertex "
+            "job the job's service account provides them"
+        ) from exc
 
 
 def _endpoint(name: str) -> str | None:

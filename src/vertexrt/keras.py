@@ -533,12 +533,22 @@ def export_dir(uri: str | None = None) -> Iterator[str]:
         shutil.rmtree(local, ignore_errors=True)
 
 
-def export(model: Any, uri: str | None = None, *, filename: str = "model.keras") -> str:
-    """Save `model` as `filename` on every worker; the chief's file lands in `uri` (default
-    `AIP_MODEL_DIR`). Returns where it lands. Call it on every worker (see `export_dir`).
+def export(model: Any, uri: str | None = None, *, filename: str | None = None) -> str:
+    """Export `model` on every worker; the chief's copy lands in `uri` (default `AIP_MODEL_DIR`). Returns
+    where it lands. Call it on every worker (see `export_dir`).
+
+    By default a SavedModel for serving (`model.export`: the `serving_default` signature Vertex AI's
+    prebuilt TensorFlow serving containers call) is written at the top of `uri`, where Vertex looks for
+    `saved_model.pb`. It holds the traced graph, not Python code, so Lambda layers need no unsafe reload.
+    `filename="model.keras"` (or `.h5`) saves the Keras file instead, with `model.save`; any other
+    `filename` names a SavedModel subdirectory. When the Keras file cannot be written (a Lambda layer
+    closing over a module: "cannot pickle 'module' object"), a SavedModel is written in its place with a
+    warning, so a finished training is never lost to the export.
 
     Example:
         >>> vk.export(model)  # doctest: +SKIP
+        'gs://my-bucket/output/model'
+        >>> vk.export(model, filename="model.keras")  # doctest: +SKIP
         'gs://my-bucket/output/model/model.keras'
     """
     from vertexrt import paths
@@ -546,5 +556,43 @@ def export(model: Any, uri: str | None = None, *, filename: str = "model.keras")
 
     target = uri if uri is not None else environment().model_dir
     with export_dir(target) as local:
+        if filename is None or not filename.endswith(_KERAS_FILES):
+            _saved_model(model, local if filename is None else os.path.join(local, filename))
+            landed = target if filename is None else paths.join(target, filename)
+        else:
+            landed = paths.join(target, _keras_file(model, local, filename))
+    return landed
+
+
+_KERAS_FILES = (".keras", ".h5")
+
+
+def _keras_file(model: Any, local: str, filename: str) -> str:
+    """`model.save(local/filename)`, or a SavedModel named after it when Keras cannot serialise the model;
+    returns the name written."""
+    try:
         model.save(os.path.join(local, filename))
-    return paths.join(target, filename)
+        return filename
+    except (TypeError, ValueError, NotImplementedError) as exc:  # e.g. "cannot pickle 'module' object"
+        stem = os.path.splitext(filename)[0]
+        logger.warning(
+            "could not save %s (%s: %s): exporting a SavedModel named %s instead",
+            filename,
+            type(exc).__name__,
+            exc,
+            stem,
+        )
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(local, filename))  # a partial file
+        _saved_model(model, os.path.join(local, stem))
+        return stem
+
+
+def _saved_model(model: Any, directory: str) -> None:
+    """`model.export(directory)`: an inference SavedModel; Keras's printed summary goes to DEBUG."""
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        model.export(directory)
+    logger.debug("%s", printed.getvalue().strip())

@@ -398,3 +398,16 @@ def test_leftover_of_an_earlier_process_with_the_same_pid_is_cleaned(tmp_path) -
     with CheckpointManager(str(tmp_path)):
         pass
     assert not stale.exists()
+
+
+def test_routine_commits_and_retention_stay_out_of_the_info_log(tmp_path, caplog: pytest.LogCaptureFixture):
+    """A Keras trial checkpointing every 50 steps logged a commit and a deletion at INFO each time: only the
+    first commit is INFO now (it says where checkpoints go), the rest is DEBUG."""
+    caplog.set_level(logging.INFO, logger="vertexrt.checkpoint")
+    with CheckpointManager(str(tmp_path), keep_policy=KeepLast(2), async_save=False) as mgr:
+        for step in range(1, 7):
+            mgr.save(step, {"w": torch.ones(2) * step}, force=True)
+        mgr.wait()
+    info = [r.getMessage() for r in caplog.records if r.name.startswith("vertexrt.checkpoint")]
+    assert info == [f"checkpoint step 1 committed in {tmp_path} (later commits are logged at DEBUG)"], info
+    assert mgr.all_steps() == [5, 6]

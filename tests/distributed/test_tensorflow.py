@@ -26,6 +26,11 @@ POOLS = {
 }
 
 
+TF_WORKER = json.dumps(
+    {"cluster": {"chief": ["c:1"], "worker": ["w:1"]}, "task": {"type": "worker", "index": 0}}
+)
+
+
 def vertex(pools: dict[str, list[str]], task: str, index: int = 0, trial: str = "") -> Cluster:
     return cluster(
         {
@@ -49,6 +54,16 @@ def test_tf_config_maps_vertex_pools_to_tensorflow_task_types() -> None:
     evaluator = tf_config(vertex(POOLS, "workerpool3"))
     assert evaluator["task"] == {"type": "evaluator", "index": 0} and "evaluator" not in evaluator["cluster"]
     assert tf_config(vertex(POOLS, "workerpool2"))["task"] == {"type": "ps", "index": 0}
+
+
+def test_tf_config_of_a_cluster_from_a_mapping_takes_nothing_from_os_environ(monkeypatch) -> None:
+    monkeypatch.setenv("TF_CONFIG", json.dumps({**json.loads(TF_WORKER), "rpc_layer": "process-wide"}))
+    mapping = {"TF_CONFIG": json.dumps({**json.loads(TF_WORKER), "session_master": "grpc://c:1"})}
+    built = cluster(mapping)
+    assert "rpc_layer" not in tf_config(built) and "session_master" not in tf_config(built)
+    for config in (tf_config(environ=mapping), tf_config(built, environ=mapping)):
+        assert config["session_master"] == "grpc://c:1" and "rpc_layer" not in config
+    assert tf_config()["rpc_layer"] == "process-wide"  # read from the process environment: its keys
 
 
 def test_tf_config_is_empty_without_a_cluster() -> None:

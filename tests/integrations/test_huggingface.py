@@ -134,7 +134,13 @@ def test_resume_skips_a_step_without_a_valid_marker(job: Path, storage_root: str
 def test_training_arguments_and_the_callback_must_agree_on_output_dir(job: Path) -> None:
     vertex = VertexTrainerCallback("gs://bucket/run/ckpt", staging_dir=str(job / "stage"))
     fields = vertex.training_arguments(seed=3)
-    assert fields == {"output_dir": str(job / "stage"), "use_cpu": not torch.cuda.is_available(), "seed": 3}
+    assert fields == {
+        "output_dir": str(job / "stage"),
+        "use_cpu": not torch.cuda.is_available(),
+        "ddp_find_unused_parameters": False,  # HF's default (True) warns at every DDP run
+        "seed": 3,
+    }
+    assert vertex.training_arguments(ddp_find_unused_parameters=True)["ddp_find_unused_parameters"] is True
     assert os.environ["TENSORBOARD_LOGGING_DIR"].endswith(
         "logs"
     )  # the local fallback of AIP_TENSORBOARD_LOG_DIR

@@ -157,3 +157,35 @@ def test_fabric_job_saves_and_resumes_through_vertexrt_to_the_same_weights(tmp_p
     assert first["resumed_from"] is None and resumed["resumed_from"] == str(tmp_path / "split" / "step_3")
     assert resumed["step"] == whole["step"] == 6
     assert resumed["weights"] == whole["weights"]  # model and Adam state carried exactly
+
+
+@pytest.mark.slow
+def test_standalone_pytorch_lightning_trainer_takes_the_plugins_and_resumes_after_a_preemption(
+    tmp_path: Path,
+) -> None:
+    """``pytorch_lightning.Trainer`` (the package many samples import; ``lightning`` ships it again as
+    ``lightning.pytorch``) accepts ``vertex.plugins()`` and the callback: a SIGTERM saves and exits 143, the
+    rerun resumes to the weights of an uninterrupted run; Lightning logs nothing about ``weights_only``."""
+    pytest.importorskip("pytorch_lightning", reason="the standalone pytorch_lightning is not installed")
+    script = Path(__file__).parent / "scripts" / "pl_standalone_job.py"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE")
+    }
+
+    def job(directory: str, sigterm_at: int) -> subprocess.CompletedProcess[str]:
+        env["VERTEXRT_LOCAL_DIR"] = str(tmp_path / directory)
+        return run_job([sys.executable, str(script), str(sigterm_at)], cwd=tmp_path, timeout=120, env=env)
+
+    def result(done: subprocess.CompletedProcess[str]) -> dict:
+        assert done.returncode == 0, done.stdout[-3000:]
+        (line,) = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+        return json.loads(line[len("RESULT ") :])
+
+    preempted = job("split", sigterm_at=2)
+    assert preempted.returncode == 143, preempted.stdout[-3000:]
+    assert "weights_only" not in preempted.stdout
+    resumed, whole = result(job("split", 0)), result(job("whole", 0))
+    # the module's hook runs after the callback's: the notice is seen at the next batch end, step 3
+    assert resumed["resumed_from"] == str(tmp_path / "split" / "checkpoints" / "step_3")
+    assert resumed["step"] == whole["step"] == 6
+    assert resumed["weights"] == whole["weights"]

@@ -48,6 +48,6 @@ def test_keras_mwms_trial_preempted_and_restarted_ends_like_an_uninterrupted_run
     assert "restarting the whole job" in log
     assert _weights(log) == _weights(reference)
     trial = tmp_path / "trial"
-    assert list(trial.glob("**/model/model.keras"))  # the chief's export, in the trial's model dir
+    assert list(trial.glob("**/model/saved_model.pb"))  # the chief's export, in the trial's model dir
     reports = [json.loads(line) for line in (trial / "output.metrics").read_text().splitlines()]
     assert reports[-1]["global_step"] == "4" and reports[-1]["trial"] == "7"

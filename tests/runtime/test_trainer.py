@@ -22,7 +22,7 @@ import vertexrt.data.torch
 from vertexrt import paths
 from vertexrt._net import free_port
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps
-from vertexrt.errors import ConfigError
+from vertexrt.errors import ConfigError, DataError
 from vertexrt.runtime import Context, Preempted, Trainer
 
 
@@ -419,6 +419,26 @@ def test_resuming_off_vertex_says_so_loudly(
     assert len(warned) == 1
     assert f"resuming from {tmp_path / 'a' / 'ckpt'} (step 13)" in warned[0].getMessage()
     assert "VERTEXRT_LOCAL_DIR" in warned[0].getMessage()
+
+
+class Reseeded(Regression):
+    def setup(self) -> None:
+        super().setup()
+        reader = vertexrt.data.open_dataset(self.data, "jsonl", seed=4, shuffle_buffer=8, prefetch=0)
+        self.train_data = DataLoader(reader.as_torch(), batch_size=4, collate_fn=collate)
+
+
+def test_a_reader_opened_otherwise_than_its_checkpoint_says_what_to_do_in_trainer_terms(
+    runtime_env: Any, tmp_path: Any, regression_data: str
+) -> None:
+    run(Regression, str(tmp_path / "a"), regression_data, preempt_at=13)
+    with pytest.raises(DataError) as raised:
+        run(Reseeded, str(tmp_path / "a"), regression_data)
+    message = str(raised.value)
+    assert "seed: saved 3, now 4" in message  # what changed
+    assert f"step 13 in {tmp_path / 'a' / 'ckpt'}" in message  # which checkpoint
+    assert "VERTEXRT_LOCAL_DIR" in message and "AIP_CHECKPOINT_DIR" in message  # how to start fresh
+    assert "load_state_dict" not in message and "storage access" not in message  # not the Trainer's terms
 
 
 def test_train_and_evaluation_metrics_go_to_tensorboard(

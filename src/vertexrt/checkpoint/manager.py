@@ -104,6 +104,7 @@ class CheckpointManager:
         self._deleter: ThreadPoolExecutor | None = None  # one retention thread, fed by the writer
         self._pending: Future[None] | None = None  # the save in flight
         self._deleting: Future[None] | None = None  # the newest retention pass
+        self._committed_once = False  # the first commit is logged at INFO, the routine ones at DEBUG
         self._staging: Any = None
         self._subscription: Any = None
         self._vote: Any = None
@@ -433,7 +434,13 @@ class CheckpointManager:
         if replaced is not None:
             self._retire(step, replaced, manifest)
         self._retention.infos[step] = CheckpointInfo(step, manifest["time"], metrics)
-        log.info("checkpoint step %d committed in %s", step, self.directory)
+        if self._committed_once:
+            log.debug("checkpoint step %d committed in %s", step, self.directory)
+        else:
+            self._committed_once = True
+            log.info(
+                "checkpoint step %d committed in %s (later commits are logged at DEBUG)", step, self.directory
+            )
         if self.rank == 0:
             if self._deleter is None:
                 self._deleter = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-retention")

@@ -60,7 +60,7 @@ class Retention:
             try:
                 self.strategy.delete(info.step, token)
                 self.infos.pop(info.step, None)
-                log.info("deleted checkpoint step %d (keep policy)", info.step)
+                log.debug("deleted checkpoint step %d (keep policy)", info.step)
             except Exception as exc:
                 log.warning(
                     "could not delete checkpoint step %d in %s: %s", info.step, self.strategy.root, exc

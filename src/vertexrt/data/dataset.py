@@ -321,9 +321,8 @@ class Dataset:
             raise DataError(
                 "this data state was saved for different data or options "
                 f"({self._mismatch(state.get('options'))}): "
-                "open the dataset exactly as when the state was saved, or leave this state out "
-                "(don't call load_state_dict, or delete the data state from the checkpoint directory) to "
-                "start the epoch afresh"
+                "open the dataset exactly as when the state was saved, or start the epoch afresh without "
+                "this state"
             )
         session = None
         if isinstance(self.sources, TableSource):  # checked before anything changes: the saved read session

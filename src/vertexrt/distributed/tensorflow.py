@@ -23,6 +23,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from vertexrt.distributed import rendezvous
@@ -48,18 +49,24 @@ KERAS_ADVICE = (
 )
 
 
-def tf_config(cluster: Cluster | None = None) -> dict[str, Any]:
+def tf_config(cluster: Cluster | None = None, *, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``TF_CONFIG`` dict ``tf.distribute`` expects for this task; ``{}`` when there is no cluster.
 
     Pools map to TensorFlow task types: workerpool0 -> ``chief``, workerpool1 -> ``worker``, workerpool2 ->
     ``ps``; evaluators appear only as ``task.type`` and Reduction Server replicas not at all. ``rpc_layer``
-    and ``session_master`` of the ``TF_CONFIG`` in the environment are kept.
+    and ``session_master`` of the ``TF_CONFIG`` in ``environ`` are kept. Without ``cluster``, the cluster
+    is read from ``environ`` (default ``os.environ``); a ``cluster`` built elsewhere (e.g.
+    ``cluster(mapping)``) takes nothing from ``os.environ``: pass ``environ=mapping`` for its keys.
 
     Example:
         >>> tf_config()   # single process
         {}
     """
-    c = current_cluster() if cluster is None else cluster
+    if cluster is None:
+        environ = os.environ if environ is None else environ
+        c = current_cluster(environ)
+    else:
+        c = cluster
     if c.role == "reduction_server":
         raise ConfigError("this replica is a Reduction Server replica: it runs no TensorFlow program")
     pools = {p.role: list(p.addresses) for p in c.pools if p.role in ("chief", "worker", "ps")}
@@ -78,7 +85,7 @@ def tf_config(cluster: Cluster | None = None) -> dict[str, Any]:
     }
     if c.trial_id is not None:
         config["task"]["trial"] = c.trial_id
-    existing = _extra_keys(os.environ.get("TF_CONFIG"))
+    existing = _extra_keys((environ or {}).get("TF_CONFIG"))
     config.update({k: existing[k] for k in _RESOLVER_KEYS if isinstance(existing.get(k), str)})
     return config
 

@@ -139,8 +139,9 @@ class VertexTrainerCallback(TrainerCallback):
         """``TrainingArguments`` keyword arguments for this job, ``overrides`` last.
 
         Joins ``torch.distributed`` first (:func:`setup_distributed`) so accelerate sees the job's world.
-        Sets ``TENSORBOARD_LOGGING_DIR`` (read by the Trainer's TensorBoard reporter) to
-        ``AIP_TENSORBOARD_LOG_DIR`` when it is a local or ``/gcs/`` path.
+        ``ddp_find_unused_parameters`` is False unless overridden (a model with parameters that get no
+        gradient in some steps needs ``True``). Sets ``TENSORBOARD_LOGGING_DIR`` (read by the Trainer's
+        TensorBoard reporter) to ``AIP_TENSORBOARD_LOG_DIR`` when it is a local or ``/gcs/`` path.
 
         Example:
             >>> TrainingArguments(**vertex.training_arguments(per_device_train_batch_size=8))
@@ -153,7 +154,12 @@ class VertexTrainerCallback(TrainerCallback):
         logs = environment().tensorboard_log_dir
         if paths.storage_kind(logs) != "gcs":
             os.environ.setdefault("TENSORBOARD_LOGGING_DIR", logs)
-        fields: dict[str, Any] = {"output_dir": self.local_dir, "use_cpu": not torch.cuda.is_available()}
+        fields: dict[str, Any] = {
+            "output_dir": self.local_dir,
+            "use_cpu": not torch.cuda.is_available(),
+            # HF's default (True) walks the graph for unused parameters every step and warns about it
+            "ddp_find_unused_parameters": False,
+        }
         if c.world_size > 1:
             fields["ddp_backend"] = "nccl" if torch.cuda.is_available() else "gloo"
         fields.update(overrides)

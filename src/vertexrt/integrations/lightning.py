@@ -23,13 +23,11 @@ from pathlib import PurePosixPath
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.environments.cluster_environment import ClusterEnvironment
-from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
-from lightning.pytorch.callbacks import Callback
 
 from vertexrt.distributed.model import Cluster
 from vertexrt.distributed.torch import destroy_at_exit
 from vertexrt.errors import ConfigError
+from vertexrt.integrations._lightning_bases import Callback, CheckpointIO, ClusterEnvironment
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +274,7 @@ class VertexCallback(Callback):
 
         path = self.checkpoint_io.path_for(trainer.global_step)
         log.warning("preemption notice: saving %s, then exiting %d", path, PREEMPTED_EXIT_CODE)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # the whole state; unset, Lightning logs each save
         self.checkpoint_io.wait()
         self._release()
         raise SystemExit(PREEMPTED_EXIT_CODE)

@@ -78,15 +78,28 @@ class Context:
     ) -> Context:
         """Read the environment and the cluster now; ranks default to ``vertexrt.distributed.world_info()``.
 
+        With a process group of your own that the cluster variables do not describe and no ``LOCAL_RANK``,
+        the local rank picks no GPU on a CPU ``device``: it is the rank when the cluster is one machine
+        (every process runs on it), else 0. On a GPU device it must be known (pass ``local_rank=``).
+
         Raises:
-            ClusterSpecError: the cluster description (``CLUSTER_SPEC``, ``TF_CONFIG``, ...) is malformed.
+            ClusterSpecError: the cluster description (``CLUSTER_SPEC``, ``TF_CONFIG``, ...) is malformed, or
+                the local rank of a GPU process cannot be known.
         """
         from vertexrt.distributed import cluster as read_cluster
         from vertexrt.distributed import world_info
         from vertexrt.env import environment
+        from vertexrt.errors import ClusterSpecError
 
         where, world = read_cluster(), world_info()
         rank = world.rank if rank is None else rank
+        if local_rank is None:
+            try:
+                local_rank = world.local_rank
+            except ClusterSpecError:
+                if str(device).partition(":")[0] != "cpu":
+                    raise
+                local_rank = rank if where.num_nodes == 1 else 0
         return cls(
             env=environment(),
             cluster=where,
@@ -94,7 +107,7 @@ class Context:
             device=device,
             rank=rank,
             world_size=world.world_size if world_size is None else world_size,
-            local_rank=world.local_rank if local_rank is None else local_rank,
+            local_rank=local_rank,
             args=args,
             strategy=strategy,
             metrics=MetricsReporter(is_chief=rank == 0),

@@ -70,7 +70,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError
+from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, DataError
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.entry import Preempted
 from vertexrt.runtime.progress import Progress
@@ -472,11 +472,7 @@ class Trainer(StateTracker):
             if worst == _RESTORED:
                 break
             if worst == _FAILED:  # not a damaged step: falling back to an older one would lose progress
-                raise CheckpointError(
-                    f"restoring checkpoint step {step} from {manager.directory} failed"
-                    + (f": {error}" if error else " on another rank (its log says why)")
-                    + "; fix the cause (storage access, permissions) and restart the job"
-                ) from error
+                raise _restore_failure(step, manager.directory, error) from error
             logger.warning("checkpoint step %d is unusable on some rank: trying the previous one", step)
         else:
             what = "no usable checkpoint" if newest_first else "no checkpoint"
@@ -770,6 +766,25 @@ def _leading_size(batch: Any) -> int:
             return _leading_size(batch[0])
         return len(batch)
     return 1
+
+
+def _restore_failure(step: int, directory: str, error: Exception | None) -> Exception:
+    """What stops fit() when ``step`` failed to restore on some rank for a reason other than damage."""
+    data_error = error
+    while data_error is not None and not isinstance(data_error, DataError):
+        data_error = data_error.__cause__  # type: ignore[assignment]
+    if data_error is not None:  # a reader's saved position does not fit the data as opened now
+        return DataError(
+            f"checkpoint step {step} in {directory} holds a read position the data as opened now cannot "
+            f"take: {data_error}. fit() restores every reader's position with the weights: open the data "
+            "as when that checkpoint was saved, or start the run fresh with an empty checkpoint directory "
+            f"(a new AIP_CHECKPOINT_DIR; off Vertex a new VERTEXRT_LOCAL_DIR, or delete {directory})"
+        )
+    return CheckpointError(
+        f"restoring checkpoint step {step} from {directory} failed"
+        + (f": {error}" if error else " on another rank (its log says why)")
+        + "; fix the cause (storage access, permissions) and restart the job"
+    )
 
 
 _RESTORED, _DAMAGED, _FAILED = 0, 1, 2  # a restore attempt, ordered so that the worst rank's wins
