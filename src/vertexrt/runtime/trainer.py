@@ -293,6 +293,7 @@ class Trainer(StateTracker):
         try:
             return self._fit()
         finally:
+            self._unwrap_modules()  # after fit, self.model is the user's module again
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None
@@ -422,6 +423,12 @@ class Trainer(StateTracker):
 
         ctx, pickle = self.ctx, bool(getattr(self.checkpoints, "allow_pickle", False))
         return ShardedLayout(full, self._loop, rank=ctx.rank, world_size=ctx.world_size, allow_pickle=pickle)
+
+    def _unwrap_modules(self) -> None:
+        """Put back the modules the Trainer wrapped in DDP (a later ``fit()`` wraps them again)."""
+        wrapped, self._wrapped = self._wrapped, {}
+        for name, module in wrapped.items():
+            setattr(self, name, module)
 
     @contextlib.contextmanager
     def _unwrapped(self) -> Iterator[None]:
