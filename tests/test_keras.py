@@ -318,3 +318,46 @@ def test_non_chief_saves_but_writes_nothing_to_the_output_dirs(tmp_path):
     assert result["files"] == []
     assert result["where"] == str(root / "model" / "model.keras")
     assert not os.path.exists(result["scratch"])
+
+
+PREEMPTED_WITH_TENSORBOARD = textwrap.dedent(
+    """
+    import signal, sys
+    import numpy as np
+    import tensorflow as tf
+    from vertexrt import keras as vk
+    from vertexrt.checkpoint import CheckpointManager
+
+    class Notice(tf.keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                signal.raise_signal(signal.SIGTERM)  # the preemption notice, mid-epoch
+
+    manager = CheckpointManager(sys.argv[1])
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    x, y = np.zeros((64, 4), "float32"), np.zeros((64, 2), "float32")
+    callbacks = [vk.TensorBoard(sys.argv[2]), Notice(), vk.PreemptionCallback(manager)]
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_stalled_tensorboard_upload_never_holds_a_preempted_exit(tmp_path, fault_proxy):
+    """The PreemptionCallback saves and exits 143; the TensorBoard events' last upload (at exit) cannot reach
+    Cloud Storage: the exit waits for it a bounded time instead of until Vertex's SIGKILL."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from jobs import run_job
+
+    from vertexrt.tensorboard import PREEMPTED_UPLOAD_SECONDS
+
+    fault_proxy.set("stall")  # every Cloud Storage request from now on gets no answer
+    script = tmp_path / "train.py"
+    script.write_text(PREEMPTED_WITH_TENSORBOARD)
+    logs = f"gs://vertexrt-test/{tmp_path.name}/logs"
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "VERTEXRT_HANG_TIMEOUT": "off"}
+    done = run_job([sys.executable, str(script), str(tmp_path / "ckpt"), logs], tmp_path, 120, env)
+    assert done.returncode == PREEMPTED, done.stdout[-3000:]
+    assert (tmp_path / "ckpt").is_dir() and any((tmp_path / "ckpt").glob("step_*/manifest.json"))
+    assert f"did not finish within {PREEMPTED_UPLOAD_SECONDS:.0f} s" in done.stdout

@@ -434,6 +434,12 @@ class HypertuneCallback(tf.keras.callbacks.Callback):  # type: ignore[misc, name
         hypertune.report(self.metric, float(logs[self.key]), step=epoch + 1)
 
 
+def _on_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 def _is_number(value: Any) -> bool:
     try:
         float(value)
@@ -492,12 +498,23 @@ class TensorBoard(tf.keras.callbacks.TensorBoard):  # type: ignore[misc, name-de
 
         self.uploader = tensorboard.writer(log_dir, backend="files", upload_interval=upload_interval)
         self._scratch = None if self.uploader.enabled else tempfile.mkdtemp(prefix="vertexrt-tensorboard-")
+        self._notice: Subscription | None = None
         super().__init__(log_dir=self.uploader.local_dir or self._scratch, **kwargs)
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        super().on_train_begin(logs)
+        if self._notice is None and self.uploader.enabled and _on_main_thread():
+            # Open until on_train_end, which a preempted fit never reaches: the writer's close at exit then
+            # still sees the notice and bounds the last upload (tensorboard.PREEMPTED_UPLOAD_SECONDS).
+            self._notice = preemption_signal().subscribe()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_end(logs)
-        if self.uploader.enabled:
-            self.uploader.flush()  # upload what this fit wrote
+        notice, self._notice = self._notice, None
+        if self.uploader.enabled and not (notice is not None and notice.requested):
+            self.uploader.flush()  # upload what this fit wrote (after a notice: at exit, bounded)
+        if notice is not None:
+            notice.close()
         elif self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
 
