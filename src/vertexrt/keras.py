@@ -285,13 +285,7 @@ class CheckpointCallback(_Tracked):
             self._reader.seek(int(place["epoch"]), int(place["records"]), position.step)
         if saved["steps_per_epoch"] and position.batch >= saved["steps_per_epoch"]:
             position = Position(position.epoch + 1, 0, position.step)  # saved after an epoch's last batch
-        logger.info(
-            "resumed from checkpoint step %d in %s: epoch %d, batch %d",
-            self.manager.restored_step,
-            self.manager.directory,
-            position.epoch,
-            position.batch,
-        )
+        logger.info("Keras resumes at epoch %d, batch %d", position.epoch, position.batch)
         _last_saved[self.manager] = position.step
         self._restored = self.position = position
         self._resume_pending = True

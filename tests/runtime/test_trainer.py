@@ -414,11 +414,18 @@ def test_resuming_off_vertex_says_so_loudly(
 ) -> None:
     run(Regression, str(tmp_path / "a"), regression_data, preempt_at=13)
     caplog.clear()
+    caplog.set_level(logging.INFO)
     run(Regression, str(tmp_path / "a"), regression_data)
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "resuming from" in r.getMessage()]
     assert len(warned) == 1
     assert f"resuming from {tmp_path / 'a' / 'ckpt'} (step 13)" in warned[0].getMessage()
     assert "VERTEXRT_LOCAL_DIR" in warned[0].getMessage()
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.INFO and "resuming from" in r.getMessage()
+    ]
+    assert said == [f"resuming from {tmp_path / 'a' / 'ckpt'} (step 13): epoch 1, batch 3"]  # the shared line
 
 
 def test_train_and_evaluation_metrics_go_to_tensorboard(

@@ -70,6 +70,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.entry import Preempted
@@ -490,13 +491,7 @@ class Trainer(StateTracker):
             logger.info("%s in %s: starting from step 0", what, manager.directory)
             return
         self._saved = self._loop.state_dict()
-        logger.info(
-            "resumed from the checkpoint of step %d (epoch %d, batch %d of the epoch) in %s",
-            self.step,
-            self.epoch,
-            self._loop.batch_in_epoch,
-            manager.directory,
-        )
+        log_resuming(manager.directory, self.step, f"epoch {self.epoch}, batch {self._loop.batch_in_epoch}")
         if not self.ctx.env.on_vertex and self.ctx.is_chief:
             logger.warning(
                 "resuming from %s (step %d), a checkpoint an earlier run left there: to start fresh, set "
