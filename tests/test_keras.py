@@ -361,3 +361,72 @@ def test_a_stalled_tensorboard_upload_never_holds_a_preempted_exit(tmp_path, fau
     assert done.returncode == PREEMPTED, done.stdout[-3000:]
     assert (tmp_path / "ckpt").is_dir() and any((tmp_path / "ckpt").glob("step_*/manifest.json"))
     assert f"did not finish within {PREEMPTED_UPLOAD_SECONDS:.0f} s" in done.stdout
+
+
+def _readme_keras_snippet() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Keras — `vertexrt.keras`") :]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+README_PREAMBLE = textwrap.dedent(
+    """
+    import json, os
+    import tensorflow as tf
+    from vertexrt.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(os.environ["AIP_CHECKPOINT_DIR"])
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
+    loss = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model.compile("sgd", loss, metrics=["accuracy"])
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_readme_keras_snippet_ends_its_epochs(tmp_path):
+    """The README's Keras snippet as written (its gs:// bucket a local directory): 5 epochs of one data
+    epoch each, validation included, end; before, fit read the endless stream as one epoch forever."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from jobs import run_job
+
+    for name, count in (("train-0.jsonl", 200), ("val-0.jsonl", 30)):
+        lines = [json.dumps({"x": [i / 100, 1.0, -1.0, 0.5], "label": i % 2}) for i in range(count)]
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    snippet = _readme_keras_snippet().replace("gs://my-bucket/", f"{tmp_path}/")
+    report = textwrap.dedent(
+        """
+        from vertexrt.errors import ConfigError
+        try:  # without steps_per_epoch: refused at once, not an endless epoch
+            model.fit(ckpt.as_tf(batch_size=64).map(xy), epochs=1, callbacks=[ckpt])
+            refused = ""
+        except ConfigError as err:
+            refused = str(err)
+        steps = int(model.optimizer.iterations.numpy())
+        per_epoch = ckpt.steps_per_epoch(64)
+        print("RESULT", json.dumps({"steps": steps, "per_epoch": per_epoch, "refused": refused}))
+        """
+    )
+    (tmp_path / "snippet.py").write_text(README_PREAMBLE + snippet + report)
+    env = {k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG")}
+    env.update(
+        TF_CPP_MIN_LOG_LEVEL="2",
+        AIP_CHECKPOINT_DIR=str(tmp_path / "ckpt"),
+        AIP_MODEL_DIR=str(tmp_path / "model"),
+        AIP_TENSORBOARD_LOG_DIR=str(tmp_path / "logs"),
+        CLOUD_ML_HP_METRIC_FILE=str(tmp_path / "output.metrics"),
+    )
+    done = run_job([sys.executable, str(tmp_path / "snippet.py")], tmp_path, 240, env)
+    assert done.returncode == 0, done.stdout[-4000:]
+    result = json.loads(done.stdout.split("RESULT ")[1].splitlines()[0])
+    assert (result["steps"], result["per_epoch"]) == (5 * 3, 200 // 64)  # 5 epochs of one data epoch each
+    assert "steps_per_epoch=ckpt.steps_per_epoch(batch_size)" in result["refused"]
+    reports = (tmp_path / "output.metrics").read_text().splitlines()
+    assert [json.loads(r)["global_step"] for r in reports] == [
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+    ]  # val_accuracy each epoch
+    assert (tmp_path / "model" / "model.keras").exists()

@@ -225,7 +225,8 @@ class CheckpointCallback(_Tracked):
 
     def as_tf(self, batch_size: int, output_signature: Any = None) -> tf.data.Dataset:
         """The reader as an endless `tf.data.Dataset` of `batch_size` records (the global batch), whose place
-        this callback checkpoints; call `restore(model)` first. Pass `steps_per_epoch` to `fit`.
+        this callback checkpoints; call `restore(model)` first. Pass
+        `steps_per_epoch=ckpt.steps_per_epoch(batch_size)` to `fit` (without it `fit` refuses to start).
 
         Under a `tf.distribute` strategy every worker trains on its own reader's records (the dataset carries
         `AutoShardPolicy.OFF`: the reader is sharded already) and each step takes `batch_size / replicas`
@@ -250,6 +251,37 @@ class CheckpointCallback(_Tracked):
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         records = tf.data.Dataset.from_generator(self._reader.records, output_signature=output_signature)
         return records.batch(batch_size, drop_remainder=True).with_options(options)
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        """Global batches of `batch_size` in one data epoch of the reader: `fit(steps_per_epoch=...)` for
+        `as_tf(batch_size)`, whose stream has no end (an epoch of `fit` then is about one pass over the data).
+
+        Needs a reader whose epoch length is known: `equalize` in force (the default with several workers;
+        `open_dataset(..., equalize="drop_remainder")` on one).
+
+        Example:
+            >>> model.fit(ckpt.as_tf(64), epochs=5, steps_per_epoch=ckpt.steps_per_epoch(64))
+        """
+        from vertexrt.distributed import world_info
+
+        if self._reader is None:
+            raise ConfigError(
+                "CheckpointCallback.steps_per_epoch: construct the callback with data=<vertexrt reader>"
+            )
+        length = self.data.epoch_length()
+        if length is None:
+            raise ConfigError(
+                f"CheckpointCallback.steps_per_epoch: {self.data!r} does not know its epoch length; open it "
+                "with equalize='drop_remainder' (its length is then counted once), or pass your own "
+                "steps_per_epoch to fit"
+            )
+        workers = world_info().world_size  # each worker trains on batch_size / workers of its records
+        if batch_size < workers or batch_size % workers:
+            raise ConfigError(
+                f"CheckpointCallback.steps_per_epoch(batch_size={batch_size}): the global batch must split "
+                f"evenly over the {workers} workers; use a multiple of {workers}"
+            )
+        return max(1, length // (batch_size // workers))
 
     def restore(self, model: Any = None) -> Position:
         """Load the newest checkpoint into `model` (weights, optimizer) and return where it stopped.
@@ -306,6 +338,11 @@ class CheckpointCallback(_Tracked):
                     "the same number of records; open it with equalize='drop_remainder' (or 'auto')"
                 )
             self._reader.per_step = _records_per_step(strategy, self._batch_size)
+            if not (getattr(self, "params", None) or {}).get("steps"):
+                raise ConfigError(
+                    "CheckpointCallback(data=...): ckpt.as_tf(batch_size) has no end, so fit would never end "
+                    "an epoch; pass fit(..., steps_per_epoch=ckpt.steps_per_epoch(batch_size))"
+                )
         if not self._resume_pending:
             return
         self._resume_pending = False
