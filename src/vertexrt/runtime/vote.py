@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import threading
@@ -44,8 +45,9 @@ VOTE_INTERVAL = 0.1
 BACKSTOP_INTERVAL = 0.5
 #: Votes and rounds are at least this many times their measured latency apart.
 LATENCY_FACTOR = 4
-#: Seconds ``drain()`` waits for the backstop's last round (the other ranks' rounds are paced too).
-_DRAIN_WAIT = 60.0
+#: Seconds ``drain()`` waits for the backstop's last round (the other ranks' rounds are paced too), and
+#: at interpreter exit without a ``drain()`` (after a failure: a peer may be gone).
+_DRAIN_WAIT, _EXIT_WAIT = 60.0, 5.0
 _MAX_CALLS_BETWEEN_VOTES = 10_000
 
 
@@ -162,6 +164,7 @@ class _Backstop:
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vertexrt-stop-vote", daemon=True)
         self._thread.start()
+        atexit.register(self._close_at_exit)  # before the process group's own teardown (registered earlier)
 
     def at_call(self, call: int, local: bool) -> int | None:
         """Record this rank's ``call``-th call; the agreed stop call once known (held until it is)."""
@@ -172,13 +175,16 @@ class _Backstop:
                 self._changed.wait()
             return self._stop_call
 
-    def close(self) -> None:
+    def close(self, wait: float = _DRAIN_WAIT) -> None:
+        """End the thread after a last round that every rank's thread joins (at most ``wait`` seconds)."""
+        atexit.unregister(self._close_at_exit)
         self._closing.set()
-        self._thread.join(_DRAIN_WAIT)
+        self._thread.join(wait)
         if self._thread.is_alive():
-            log.warning(
-                "the stop vote's last round did not finish in %.0f s: another rank is gone?", _DRAIN_WAIT
-            )
+            log.warning("the stop vote's last round did not finish in %.0f s: another rank is gone?", wait)
+
+    def _close_at_exit(self) -> None:
+        self.close(_EXIT_WAIT)
 
     def _run(self) -> None:
         import torch
