@@ -211,6 +211,14 @@ class _Backstop:
             with self._changed:
                 self._holding = False
                 self._changed.notify_all()
+            self._release_group()
+
+    def _release_group(self) -> None:
+        """Destroy the thread's group now: a gloo group left to the interpreter's teardown can abort it."""
+        try:
+            self._dist.destroy_process_group(self._group)
+        except Exception as exc:  # the default group (and with it this one) is gone already
+            log.debug("destroying the stop vote's group: %s", exc)
 
     def _agree_on_the_stop_call(self, torch: Any) -> None:
         with self._changed:
