@@ -63,9 +63,8 @@ class StopVote:
     def __init__(self, reduce: Callable[[bool], bool] | None = None, interval: float = VOTE_INTERVAL) -> None:
         self._reduce = reduce
         self._interval = interval
-        self._pending: tuple[Any, Any, float] | None = (
-            None  # (work handle, [flag, -calls] tensor, start time)
-        )
+        # the vote in flight: (work handle, its [flag, -calls between votes] tensor, start time)
+        self._pending: tuple[Any, Any, float] | None = None
         self._agreed = False  # once True on every rank, no more collectives
         self._calls = 0
         self._next_vote = 1  # the call number of the next vote: the same on every rank
