@@ -225,7 +225,8 @@ class CheckpointCallback(_Tracked):
 
     def as_tf(self, batch_size: int, output_signature: Any = None) -> tf.data.Dataset:
         """The reader as an endless `tf.data.Dataset` of `batch_size` records (the global batch), whose place
-        this callback checkpoints; call `restore(model)` first. Pass `steps_per_epoch` to `fit`.
+        this callback checkpoints; call `restore(model)` first. Pass
+        `steps_per_epoch=ckpt.steps_per_epoch(batch_size)` to `fit` (without it `fit` refuses to start).
 
         Under a `tf.distribute` strategy every worker trains on its own reader's records (the dataset carries
         `AutoShardPolicy.OFF`: the reader is sharded already) and each step takes `batch_size / replicas`
@@ -250,6 +251,37 @@ class CheckpointCallback(_Tracked):
         options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
         records = tf.data.Dataset.from_generator(self._reader.records, output_signature=output_signature)
         return records.batch(batch_size, drop_remainder=True).with_options(options)
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        """Global batches of `batch_size` in one data epoch of the reader: `fit(steps_per_epoch=...)` for
+        `as_tf(batch_size)`, whose stream has no end (an epoch of `fit` then is about one pass over the data).
+
+        Needs a reader whose epoch length is known: `equalize` in force (the default with several workers;
+        `open_dataset(..., equalize="drop_remainder")` on one).
+
+        Example:
+            >>> model.fit(ckpt.as_tf(64), epochs=5, steps_per_epoch=ckpt.steps_per_epoch(64))
+        """
+        from vertexrt.distributed import world_info
+
+        if self._reader is None:
+            raise ConfigError(
+                "CheckpointCallback.steps_per_epoch: construct the callback with data=<vertexrt reader>"
+            )
+        length = self.data.epoch_length()
+        if length is None:
+            raise ConfigError(
+                f"CheckpointCallback.steps_per_epoch: {self.data!r} does not know its epoch length; open it "
+                "with equalize='drop_remainder' (its length is then counted once), or pass your own "
+                "steps_per_epoch to fit"
+            )
+        workers = world_info().world_size  # each worker trains on batch_size / workers of its records
+        if batch_size < workers or batch_size % workers:
+            raise ConfigError(
+                f"CheckpointCallback.steps_per_epoch(batch_size={batch_size}): the global batch must split "
+                f"evenly over the {workers} workers; use a multiple of {workers}"
+            )
+        return max(1, length // (batch_size // workers))
 
     def restore(self, model: Any = None) -> Position:
         """Load the newest checkpoint into `model` (weights, optimizer) and return where it stopped.
@@ -285,13 +317,7 @@ class CheckpointCallback(_Tracked):
             self._reader.seek(int(place["epoch"]), int(place["records"]), position.step)
         if saved["steps_per_epoch"] and position.batch >= saved["steps_per_epoch"]:
             position = Position(position.epoch + 1, 0, position.step)  # saved after an epoch's last batch
-        logger.info(
-            "resumed from checkpoint step %d in %s: epoch %d, batch %d",
-            self.manager.restored_step,
-            self.manager.directory,
-            position.epoch,
-            position.batch,
-        )
+        logger.info("Keras resumes at epoch %d, batch %d", position.epoch, position.batch)
         _last_saved[self.manager] = position.step
         self._restored = self.position = position
         self._resume_pending = True
@@ -312,6 +338,11 @@ class CheckpointCallback(_Tracked):
                     "the same number of records; open it with equalize='drop_remainder' (or 'auto')"
                 )
             self._reader.per_step = _records_per_step(strategy, self._batch_size)
+            if not (getattr(self, "params", None) or {}).get("steps"):
+                raise ConfigError(
+                    "CheckpointCallback(data=...): ckpt.as_tf(batch_size) has no end, so fit would never end "
+                    "an epoch; pass fit(..., steps_per_epoch=ckpt.steps_per_epoch(batch_size))"
+                )
         if not self._resume_pending:
             return
         self._resume_pending = False
@@ -434,6 +465,12 @@ class HypertuneCallback(tf.keras.callbacks.Callback):  # type: ignore[misc, name
         hypertune.report(self.metric, float(logs[self.key]), step=epoch + 1)
 
 
+def _on_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
 def _is_number(value: Any) -> bool:
     try:
         float(value)
@@ -492,12 +529,23 @@ class TensorBoard(tf.keras.callbacks.TensorBoard):  # type: ignore[misc, name-de
 
         self.uploader = tensorboard.writer(log_dir, backend="files", upload_interval=upload_interval)
         self._scratch = None if self.uploader.enabled else tempfile.mkdtemp(prefix="vertexrt-tensorboard-")
+        self._notice: Subscription | None = None
         super().__init__(log_dir=self.uploader.local_dir or self._scratch, **kwargs)
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        super().on_train_begin(logs)
+        if self._notice is None and self.uploader.enabled and _on_main_thread():
+            # Open until on_train_end, which a preempted fit never reaches: the writer's close at exit then
+            # still sees the notice and bounds the last upload (tensorboard.PREEMPTED_UPLOAD_SECONDS).
+            self._notice = preemption_signal().subscribe()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         super().on_train_end(logs)
-        if self.uploader.enabled:
-            self.uploader.flush()  # upload what this fit wrote
+        notice, self._notice = self._notice, None
+        if self.uploader.enabled and not (notice is not None and notice.requested):
+            self.uploader.flush()  # upload what this fit wrote (after a notice: at exit, bounded)
+        if notice is not None:
+            notice.close()
         elif self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
 

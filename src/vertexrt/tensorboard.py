@@ -33,6 +33,9 @@ from vertexrt.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("tf", "torch", "tensorboardX", "files")
+#: Seconds ``close()`` may spend on the last upload once a preemption notice arrived: the grace between
+#: SIGTERM and SIGKILL belongs to the checkpoint (events not uploaded by then are lost with the VM).
+PREEMPTED_UPLOAD_SECONDS = 2.0
 
 
 def log_dir() -> str:
@@ -161,15 +164,40 @@ class SummaryWriter:
             if self._staged:
                 self._sync(raise_errors=True)
 
-    def close(self) -> None:
-        """Flush, close the wrapped writer, upload what is left and remove the staging directory."""
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, close the wrapped writer, upload what is left and remove the staging directory.
+
+        Waits at most ``timeout`` seconds (default: as long as it takes, but ``PREEMPTED_UPLOAD_SECONDS``
+        once a preemption notice arrived, also at exit): what is not uploaded by then is left behind with a
+        warning, so that a preempted replica exits inside its grace period.
+        """
         if self.native is None:
             return
         atexit.unregister(self.close)
         self._stop.set()
+        if timeout is None and _preemption_notice():
+            timeout = PREEMPTED_UPLOAD_SECONDS
+        native, self.native = self.native, None
+        closing = threading.Thread(
+            target=self._finish, args=(native,), name="vertexrt-tensorboard", daemon=True
+        )
+        try:
+            closing.start()
+        except RuntimeError:  # no new threads at interpreter shutdown (Python >= 3.12): finish here
+            self._finish(native)
+            return
+        closing.join(timeout)
+        if closing.is_alive():
+            logger.warning(
+                "TensorBoard: the last upload to %s did not finish within %.0f s; it is left unfinished so "
+                "that a preempted replica exits inside its grace period",
+                self.log_dir,
+                timeout,
+            )
+
+    def _finish(self, native: Any) -> None:
         if self._thread is not None:
             self._thread.join()
-        native, self.native = self.native, None
         native.close()
         if self._staged and self.local_dir is not None:
             try:
@@ -292,6 +320,12 @@ def _compose_once(fs: Any, path: str, part: str) -> None:
         raise
     except Exception as err:  # aiohttp / gcsfs HttpError: retried at the next sync
         raise OSError(f"appending to gs://{path} failed: {err}") from err
+
+
+def _preemption_notice() -> bool:
+    """True once SIGTERM arrived in a process that listens for it (vertexrt's signal owner is loaded)."""
+    signals = sys.modules.get("vertexrt.runtime.signals")
+    return signals is not None and bool(signals.preemption_signal().requested)
 
 
 def _noop(*args: Any, **kwargs: Any) -> contextlib.nullcontext[None]:

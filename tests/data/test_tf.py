@@ -55,3 +55,13 @@ def test_a_pass_cut_short_leaves_the_next_pass_whole(tmp_path, write_jsonl) -> N
     assert [int(r["x"]) for r in data.take(3)] == [0, 1, 2]
     assert [int(r["x"]) for r in data] == list(range(20))
     assert [int(b["x"].shape[0]) for b in data.batch(8)] == [8, 8, 4]
+
+
+def test_one_worker_validation_set_knows_its_cardinality_with_drop_remainder(tmp_path, write_jsonl) -> None:
+    """What the README says for a validation set read by one worker: unknown length by default (Keras reads
+    until the data runs out, warning each epoch); equalize="drop_remainder" counts it and carries it."""
+    uri = write_jsonl(str(tmp_path / "val.jsonl"), [{"x": i} for i in range(30)])
+    plain = open_dataset(uri, shuffle=False, rank=0, world_size=1).as_tf().batch(8)
+    assert int(plain.cardinality()) == int(tf.data.UNKNOWN_CARDINALITY)
+    counted = open_dataset(uri, shuffle=False, rank=0, world_size=1, equalize="drop_remainder").as_tf()
+    assert int(counted.batch(8).cardinality()) == 4 and int(counted.cardinality()) == 30

@@ -11,7 +11,7 @@ import pytest
 
 from vertexrt._net import free_port
 from vertexrt.distributed import Cluster, init_torch
-from vertexrt.distributed.rendezvous import Deadline, wait_for_address
+from vertexrt.distributed.rendezvous import Deadline, wait_for_address, wait_for_count
 from vertexrt.errors import ConfigError, RendezvousTimeout
 
 
@@ -81,3 +81,14 @@ def test_init_torch_chief_counts_who_joined_until_the_deadline(monkeypatch, capl
     with pytest.raises(RendezvousTimeout, match="only 1 of 2 replicas joined"):
         init_torch(cluster=chief, timeout=600)
     assert "1 of 2 replicas joined, 2 s" in caplog.text
+
+
+def test_counting_joiners_backs_off_at_most_a_second_so_the_last_join_is_seen_soon(monkeypatch) -> None:
+    import time
+
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)  # record the pauses instead of taking them
+    counts = iter([0] * 12 + [3])
+    wait_for_count(lambda: next(counts), 3, Deadline(600.0, time.monotonic()))
+    assert len(slept) == 12 and slept[:4] == [0.1, 0.2, 0.4, 0.8]
+    assert max(slept) == 1.0  # then every second: the last replica is seen ~1 s after it joined, not 5 s

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -320,3 +321,21 @@ def test_tensorflow_options_reach_setup_tensorflow(runtime_env: Any) -> None:
     with pytest.raises(ConfigError, match=r"setup_tensorflow\(strategy='no_such_strategy'\)"):
         train()
     assert ran == []
+
+
+@pytest.mark.slow
+def test_tf_multi_worker_job_sees_a_sigterm_on_every_rank_and_exits_143_after_a_save(tmp_path: Path) -> None:
+    pytest.importorskip("tensorflow")
+    from jobs import run_job
+
+    script = Path(__file__).parent / "scripts" / "tf_main_sigterm.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG")}
+    env.update(VERTEXRT_LOG_FORMAT="text", TF_CPP_MIN_LOG_LEVEL="2")
+    base = tmp_path / "out"
+    command = [sys.executable, "-m", "vertexrt.cli", "local-run", "--workers", "2", "--base-output-dir"]
+    done = run_job([*command, str(base), "--", sys.executable, str(script)], tmp_path, 240, env)
+    results = [line.partition("] RESULT ")[2] for line in done.stdout.splitlines() if "] RESULT " in line]
+    seen = sorted((r["rank"], r["stop"], r["replicas"]) for r in map(json.loads, results))
+    assert seen == [(0, True, 2), (1, True, 2)], done.stdout[-4000:]  # both ranks under one MWMS
+    assert done.stdout.count("exited with code 143") == 2 and done.returncode == PREEMPTED_EXIT_CODE
+    assert (base / "checkpoints" / "step_0000000001" / "manifest.json").exists()  # saved before the exit

@@ -95,3 +95,31 @@ def test_unpolled_watch_warns_once_about_a_notice_nobody_asked_about() -> None:
         finally:
             watch.stop()
     assert len(warned) == 1
+
+
+def test_a_handler_taken_below_python_is_put_back_by_reassert_and_by_a_later_subscription(
+    original_handler: Any,
+) -> None:
+    """As TensorFlow's multi-worker runtime does: a C handler replaces Python's, getsignal does not tell."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    for put_back in ("reassert", "subscribe"):
+        owner = PreemptionSignal()
+        first = owner.subscribe()
+        assert owner.reassert() is False  # nothing replaced it
+        ours = signal.getsignal(signal.SIGTERM)
+        libc.signal(signal.SIGTERM, 1)  # SIG_IGN at the C level: the notice would be lost
+        assert signal.getsignal(signal.SIGTERM) is ours  # Python still names ours
+        signal.raise_signal(signal.SIGTERM)
+        assert not owner.requested
+        if put_back == "reassert":
+            assert owner.reassert() is True
+        else:
+            owner.subscribe().close()
+        signal.raise_signal(signal.SIGTERM)
+        assert owner.requested
+        first.close()
+        assert signal.getsignal(signal.SIGTERM) is original_handler[0]

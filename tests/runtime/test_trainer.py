@@ -414,11 +414,18 @@ def test_resuming_off_vertex_says_so_loudly(
 ) -> None:
     run(Regression, str(tmp_path / "a"), regression_data, preempt_at=13)
     caplog.clear()
+    caplog.set_level(logging.INFO)
     run(Regression, str(tmp_path / "a"), regression_data)
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "resuming from" in r.getMessage()]
     assert len(warned) == 1
     assert f"resuming from {tmp_path / 'a' / 'ckpt'} (step 13)" in warned[0].getMessage()
     assert "VERTEXRT_LOCAL_DIR" in warned[0].getMessage()
+    said = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.INFO and "resuming from" in r.getMessage()
+    ]
+    assert said == [f"resuming from {tmp_path / 'a' / 'ckpt'} (step 13): epoch 1, batch 3"]  # the shared line
 
 
 class Reseeded(Regression):
@@ -497,6 +504,7 @@ class Bare(vertexrt.Trainer):
         self.train_data = [torch.full((4, 2), float(self.ctx.rank + i)) for i in range(5)]  # its own shard
 
     def train_step(self, x):
+        self.during_fit = type(self.model).__name__
         loss = (self.model(x) - 1.0).pow(2).mean()
         self.optimizer.zero_grad()
         loss.backward()
@@ -520,8 +528,9 @@ def train(ctx):
     metrics = trainer.fit()
     out = {
         "metrics": metrics,
-        "weights": trainer.model.module.weight.tolist(),
-        "wrapped": type(trainer.model).__name__,
+        "weights": trainer.model.weight.tolist(),
+        "during_fit": trainer.during_fit,
+        "after_fit": type(trainer.model).__name__,
         "saved_keys": sorted(trainer.state()["replicated"]["model"].state_dict()),
         "exported": getattr(trainer, "exported", None),
     }
@@ -547,7 +556,8 @@ def test_two_replicas_train_one_model_and_average_the_evaluation(runtime_env: An
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["weights"] == ranks[1]["weights"]  # gradients averaged: one model, not two
-    assert ranks[0]["wrapped"] == "DistributedDataParallel" and ranks[0]["exported"] == "Linear"
+    assert ranks[0]["during_fit"] == "DistributedDataParallel" and ranks[0]["exported"] == "Linear"
+    assert ranks[0]["after_fit"] == ranks[1]["after_fit"] == "Linear"  # the user's module again after fit
     assert ranks[0]["saved_keys"] == ["bias", "weight"]  # the bare module's keys, as a 1-replica run saves
     expected = {"accuracy": pytest.approx((0.9 * 30 + 0.6 * 10) / 40), "loss": pytest.approx(2.0)}
     assert ranks[0]["metrics"] == ranks[1]["metrics"] == expected

@@ -72,3 +72,39 @@ def test_without_a_process_group_the_local_flag_is_the_answer() -> None:
     assert vote(True) is True
     assert vote(False) is True  # it stays stopped
     vote.drain()
+
+
+#: Vertex's shortest grace between SIGTERM and SIGKILL in these tests' terms, and the slow step time.
+GRACE, SLOW_STEP = 10.0, 0.3
+
+
+@exits_hard
+def _slowing_worker(rank: int, port: int, out: str) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    vote = StopVote()
+    answers = [vote(False) for _ in range(300)]  # fast (prefetched) steps: votes thousands of calls apart
+    for _ in range(int(GRACE / SLOW_STEP)):  # then data-bound steps; rank 1 is notified at the first
+        time.sleep(SLOW_STEP)  # the step's duration, not a synchronisation
+        answers.append(vote(rank == 1))
+        if answers[-1]:
+            break
+    vote.drain()
+    dist.destroy_process_group()
+    Path(out, f"rank{rank}").write_text(" ".join("1" if a else "0" for a in answers))
+
+
+@pytest.mark.slow
+def test_steps_that_slow_down_after_fast_ones_still_agree_inside_the_grace(tmp_path: Path) -> None:
+    """The votes' cadence was set in calls by the fast steps; the backstop agrees on the clock."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_slowing_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    rank0, rank1 = (tmp_path / "rank0").read_text().split(), (tmp_path / "rank1").read_text().split()
+    assert rank0 == rank1  # the same call on both ranks
+    assert rank0[-1] == "1", f"no agreement within {len(rank0) - 301} slow steps (the grace)"
+    assert rank0.index("1") > 300  # not before the notice

@@ -35,6 +35,7 @@ from vertexrt.checkpoint.policies import (
     LastSave,
     SavePolicy,
 )
+from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.checkpoint.retention import Retention
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, StepExistsError
 
@@ -179,6 +180,8 @@ class CheckpointManager:
         if loaded is None:
             return None
         result = restoring.decode(loaded, target, device)
+        if step is None:  # the newest step: a resume (the Trainer and Lightning name their step and log)
+            log_resuming(self.directory, loaded.step)
         self.restored_step = loaded.step
         self._last = (loaded.step, None)
         return result

@@ -32,6 +32,7 @@ DEFAULT_SECONDS = 30 * 60.0
 _MAX_SECONDS = 7 * 24 * 3600.0
 _PROBE_SECONDS = 2.0  # one TCP connect attempt
 _FIRST_PAUSE, _MAX_PAUSE = 0.1, 5.0  # back-off between attempts
+_MAX_COUNT_PAUSE = 1.0  # a count is one cheap store request: the last joiner waits at most ~1 s more
 _FIRST_LOG, _MAX_LOG_GAP = 2.0, 60.0  # progress lines at 2, 4, 8 ... s, then every minute
 
 
@@ -153,4 +154,4 @@ def wait_for_count(count: Callable[[], int], total: int, deadline: Deadline, nou
         if progress.due():
             logger.info("%d of %d %s joined, %.0f s", joined, total, noun, deadline.elapsed())
         progress.pause(pause)
-        pause = min(pause * 2, _MAX_PAUSE)
+        pause = min(pause * 2, _MAX_COUNT_PAUSE)

@@ -33,6 +33,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from vertexrt import paths
+from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -187,11 +188,13 @@ class VertexTrainerCallback(TrainerCallback):
             return None
         name = f"checkpoint-{steps[-1]}"
         if not self.remote:
-            return paths.join(self.output_dir, name)
+            return log_resuming(
+                paths.join(self.output_dir, name), steps[-1], result=paths.join(self.output_dir, name)
+            )
         local = os.path.join(self.local_dir, name)
         shutil.rmtree(local, ignore_errors=True)  # a partial copy from an earlier attempt on this machine
         paths.download(paths.join(self.output_dir, name), local)
-        log.info("resuming from %s (downloaded to %s)", paths.join(self.output_dir, name), local)
+        log_resuming(paths.join(self.output_dir, name), steps[-1], f"downloaded to {local}")
         return local
 
     def _marker_step(self, step: int) -> int | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.distributed.model import Cluster
 from vertexrt.distributed.torch import destroy_at_exit
 from vertexrt.errors import ConfigError
@@ -182,7 +183,7 @@ class VertexCheckpointIO(CheckpointIO):
     def latest_path(self) -> str | None:
         """The newest committed step whose files are all present, as a path; None on a fresh start."""
         step = self.manager.latest_step()
-        return None if step is None else self.path_for(step)
+        return None if step is None else log_resuming(self.directory, step, result=self.path_for(step))
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         step = checkpoint.get("global_step")

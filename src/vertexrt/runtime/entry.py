@@ -359,6 +359,7 @@ def _init_framework(ctx: Context, tf_options: dict[str, Any]) -> bool:
         from vertexrt.distributed import setup_tensorflow
 
         ctx.strategy = setup_tensorflow(**tf_options)
+        preemption_signal().reassert()  # TF's multi-worker runtime takes SIGTERM at the C level on start
         from vertexrt.runtime.profiling import start_tf_profiler_server
 
         start_tf_profiler_server()  # on AIP_TF_PROFILER_PORT when Vertex asks for it

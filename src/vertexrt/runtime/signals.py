@@ -4,6 +4,10 @@ Everything that wants to hear about a preemption (the checkpoint manager, ``@mai
 callbacks) subscribes here instead of calling ``signal.signal`` itself. The first subscription snapshots the
 handler that was there and installs a flag-only handler; the last release puts the snapshot back, whatever
 order the subscribers close in. The flag is process-wide: every subscriber sees the same notice.
+A library may take the signal below Python after that (TensorFlow's multi-worker runtime installs a C
+handler when ``MultiWorkerMirroredStrategy`` starts, while ``signal.getsignal`` still names ours):
+:meth:`PreemptionSignal.reassert` checks the C-level handler and puts ours back; ``@main`` calls it after
+setting up TensorFlow, and every later subscription does too.
 Agreement across ranks is :class:`vertexrt.runtime.vote.StopVote`'s job, not this module's.
 
 Example:
@@ -44,6 +48,7 @@ class PreemptionSignal:
         self._polled = False
         self._arrived_at: float | None = None
         self._handler = self._handle  # one bound method: each `self._handle` is a new object (`is` fails)
+        self._c_handler: int | None = None  # the C-level address of Python's handler once ours is installed
 
     @property
     def installed(self) -> bool:
@@ -87,9 +92,37 @@ class PreemptionSignal:
                         "Python runs signal handlers): create the CheckpointManager or call fit() there"
                     )
                 self._original = signal.signal(self.signum, self._handler)
+                self._c_handler = _c_level_handler(self.signum)
                 self._installed = True
+            else:
+                self._reassert()
             self._subscribers += 1
         return Subscription(self)
+
+    def reassert(self) -> bool:
+        """Put the flag handler back if something replaced it below Python; True when it had to.
+
+        Call from the main thread after a library that installs C-level signal handlers has started
+        (TensorFlow's ``MultiWorkerMirroredStrategy``). Nothing happens while no subscription is open.
+        """
+        with self._lock:
+            return self._reassert()
+
+    def _reassert(self) -> bool:
+        if not self._installed or threading.current_thread() is not threading.main_thread():
+            return False
+        if signal.getsignal(self.signum) is not self._handler:  # replaced from Python: theirs chains to ours
+            return False
+        now = _c_level_handler(self.signum)
+        if now is not None and now == self._c_handler:
+            return False
+        signal.signal(self.signum, self._handler)  # sigaction again: Python's C handler, which runs ours
+        self._c_handler = _c_level_handler(self.signum)
+        if now is not None:  # unknown (no sigaction to ask): re-installed quietly, just in case
+            log.info(
+                "%s was taken below Python (a C library's handler): vertexrt's handler is back", _name(self)
+            )
+        return True
 
     def _release(self) -> None:
         with self._lock:
@@ -172,6 +205,24 @@ class UnpolledWatch:
     def stop(self) -> None:
         """End the watch (idempotent); returns at once."""
         self._stopped.set()
+
+
+def _name(owner: PreemptionSignal) -> str:
+    return signal.Signals(owner.signum).name
+
+
+def _c_level_handler(signum: int) -> int | None:
+    """The address of the C handler of ``signum`` (sigaction), or None where it cannot be read."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        action = ctypes.create_string_buffer(512)  # larger than any platform's struct sigaction
+        if libc.sigaction(signum, None, action) != 0:
+            return None
+        return ctypes.c_void_p.from_buffer(action).value or 0  # the handler is its first member
+    except (OSError, AttributeError):
+        return None
 
 
 _SIGTERM = PreemptionSignal()

@@ -70,6 +70,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, DataError
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.entry import Preempted
@@ -293,6 +294,7 @@ class Trainer(StateTracker):
         try:
             return self._fit()
         finally:
+            self._unwrap_modules()  # after fit, self.model is the user's module again
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None
@@ -423,6 +425,12 @@ class Trainer(StateTracker):
         ctx, pickle = self.ctx, bool(getattr(self.checkpoints, "allow_pickle", False))
         return ShardedLayout(full, self._loop, rank=ctx.rank, world_size=ctx.world_size, allow_pickle=pickle)
 
+    def _unwrap_modules(self) -> None:
+        """Put back the modules the Trainer wrapped in DDP (a later ``fit()`` wraps them again)."""
+        wrapped, self._wrapped = self._wrapped, {}
+        for name, module in wrapped.items():
+            setattr(self, name, module)
+
     @contextlib.contextmanager
     def _unwrapped(self) -> Iterator[None]:
         """The modules the Trainer wrapped, bare, for the duration of the block."""
@@ -479,13 +487,7 @@ class Trainer(StateTracker):
             logger.info("%s in %s: starting from step 0", what, manager.directory)
             return
         self._saved = self._loop.state_dict()
-        logger.info(
-            "resumed from the checkpoint of step %d (epoch %d, batch %d of the epoch) in %s",
-            self.step,
-            self.epoch,
-            self._loop.batch_in_epoch,
-            manager.directory,
-        )
+        log_resuming(manager.directory, self.step, f"epoch {self.epoch}, batch {self._loop.batch_in_epoch}")
         if not self.ctx.env.on_vertex and self.ctx.is_chief:
             logger.warning(
                 "resuming from %s (step %d), a checkpoint an earlier run left there: to start fresh, set "
