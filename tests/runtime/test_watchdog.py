@@ -15,6 +15,7 @@ import pytest
 from jobs import run_job
 
 from vertexrt.errors import ConfigError
+from vertexrt.phases import current_phase, long_phase
 from vertexrt.runtime.watchdog import DEFAULT_TIMEOUT, HANG_EXIT_CODE, TIMEOUT_VARIABLE, hang_timeout
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -183,3 +184,13 @@ def test_a_hang_does_not_leave_a_dataloader_worker_behind(tmp_path) -> None:
     finally:
         if not _ended(pid, within=0):
             os.kill(pid, 9)
+
+
+def test_long_phases_nest_and_end_even_on_an_error() -> None:
+    with long_phase("outer"):
+        with pytest.raises(ValueError), long_phase("inner"):
+            assert current_phase()[0] == "inner"
+            raise ValueError("evaluation failed")
+        assert current_phase()[0] == "outer"
+    phase, ended = current_phase()
+    assert phase is None and ended > 0.0
