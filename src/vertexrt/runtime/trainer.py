@@ -589,13 +589,13 @@ class Trainer(StateTracker):
             return
         self._loop.eval_pending = True  # saved only if preempted inside evaluate(): redone on resume
         self._eval_batches = 0
-        try:
-            with long_phase("evaluation"):  # not a hang, however long it takes
+        with long_phase("evaluation"):  # not a hang, however long, nor is waiting for a slower rank's
+            try:
                 returned = self.evaluate()
-            counted = self._eval_batches
-        finally:
-            self._eval_batches = None
-        metrics = self._average(_weighted(returned, counted or 1))
+                counted = self._eval_batches
+            finally:
+                self._eval_batches = None
+            metrics = self._average(_weighted(returned, counted or 1))
         self._loop.eval_pending = False
         self._loop.last_eval_step = self.step
         self._loop.eval_metrics = metrics
