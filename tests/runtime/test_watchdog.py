@@ -151,11 +151,11 @@ def _phases(mode: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("mode", ["first_step", "evaluate", "snapshot", "loader_startup"])
+@pytest.mark.parametrize("mode", ["first_step", "evaluate", "snapshot", "loader_startup", "counting"])
 def test_a_healthy_slow_phase_is_not_a_hang(tmp_path, mode: str) -> None:
-    """A slow first step (compilation), evaluate(), checkpoint snapshot or DataLoader worker start-up takes
-    longer than VERTEXRT_HANG_TIMEOUT without a step: the job goes on (exit 134 would restart it into the
-    same slow phase)."""
+    """A slow first step (compilation), evaluate(), checkpoint snapshot, DataLoader worker start-up or
+    ``equalize`` count takes longer than VERTEXRT_HANG_TIMEOUT without a step: the job goes on (exit 134
+    would restart it into the same slow phase)."""
     done = _phases(mode, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "FINISHED" in done.stdout

@@ -7,6 +7,7 @@ first_step: a Trainer whose first step is slow (as when it compiles).
 evaluate: a Trainer whose evaluate() is slow.
 snapshot: a Trainer whose checkpoint snapshot (a tracked object's state_dict()) is slow, saved every step.
 loader_startup: a plain loop over vertexrt's DataLoader for two epochs; its worker starts slowly each epoch.
+counting: a plain loop that, after two steps, reads a dataset with ``equalize`` whose records count slowly.
 orphan: a step stuck waiting for a DataLoader worker that is itself stuck (the watchdog must fire, and must
     not leave the worker behind); the worker writes its pid to DIR/worker.pid.
 """
@@ -16,11 +17,14 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import torch
 
 import vertexrt
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps
+from vertexrt.data import open_dataset
+from vertexrt.data.jsonl import JSONL
 
 SLOW = 2.5
 
@@ -69,12 +73,30 @@ class StuckAfterOne(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
         threading.Event().wait()  # stuck reading the next record
 
 
+class SlowCountJSONL(JSONL):
+    """JSON Lines whose record count (for ``equalize``) takes SLOW seconds, as for many large files."""
+
+    def count(self, source: Any, errors: Any) -> int:
+        time.sleep(SLOW)
+        return int(super().count(source, errors))
+
+
+def counting(ctx: vertexrt.Context, directory: str) -> None:
+    path = os.path.join(directory, "records.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"x": i}) + "\n" for i in range(8))
+    for step in (1, 2):
+        ctx.step(step)
+    data = open_dataset(path, format=SlowCountJSONL(), shuffle=False, equalize="drop_remainder")
+    for step, _record in enumerate(data, start=3):
+        ctx.step(step)
+
+
 def slow_worker_start(worker_id: int) -> None:
     time.sleep(SLOW)
 
 
 def loader_startup(ctx: vertexrt.Context, directory: str) -> None:
-    from vertexrt.data import open_dataset
     from vertexrt.data.torch import DataLoader
 
     path = os.path.join(directory, "records.jsonl")
@@ -95,6 +117,8 @@ def main(ctx: vertexrt.Context) -> None:
     mode, directory = sys.argv[1], sys.argv[2]
     if mode == "loader_startup":
         loader_startup(ctx, directory)
+    elif mode == "counting":
+        counting(ctx, directory)
     elif mode == "orphan":
         loader = torch.utils.data.DataLoader(StuckAfterOne(directory), batch_size=None, num_workers=1)
         for step, _batch in enumerate(loader, start=1):
