@@ -102,3 +102,31 @@ def test_tampered_dcp_metadata_falls_back_on_every_rank(
     _tamper(manifest["dcp"], how)
     manifest_path.write_text(json.dumps(manifest))
     _ranks("restore", 2, str(tmp_path / "run" / "ckpt"), str(tmp_path / "run"), "1")
+
+
+@pytest.mark.parametrize(("second_row", "valid"), [(4, True), (2, False)])
+def test_chunks_that_overlap_are_damage_even_when_their_volumes_add_up(second_row: int, valid: bool) -> None:
+    """An 8x4 tensor in two 4x4 chunks: rows 0..3 and 4..7 tile it; rows 0..3 and 2..5 overlap (and leave
+    rows 6..7 unset) although 16 + 16 elements are 8 x 4."""
+    from vertexrt.checkpoint.dcp import decode_metadata
+    from vertexrt.errors import CheckpointCorruptError
+
+    leaves = [{"t": "bytes", "chunks": [[0, 64 * i, 64, 0]]} for i in range(2)]
+    manifest = {"shards": [{"shard": 0, "tree": {"t": "list", "v": leaves}}]}
+    chunks = [[[0, 0], [4, 4]], [[second_row, 0], [4, 4]]]
+    value = {
+        "version": "1",
+        "entries": {
+            "w": {"t": "tensor", "dtype": "float32", "requires_grad": False, "size": [8, 4], "chunks": chunks}
+        },
+        "storage": [
+            ["w", offset, {"shard": 0, "leaf": i, "t": "tensor", "dtype": "float32", "shape": [4, 4]}]
+            for i, (offset, _) in enumerate(chunks)
+        ],
+        "planner": {"w": ["w"]},
+    }
+    if valid:
+        assert len(decode_metadata(value, manifest, name="m.json").storage_data) == 2
+    else:
+        with pytest.raises(CheckpointCorruptError, match="do not cover its size"):
+            decode_metadata(value, manifest, name="m.json")
