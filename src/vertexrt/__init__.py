@@ -73,6 +73,7 @@ _SUBMODULES = (
     "hypertune",
     "keras",
     "paths",
+    "phases",
     "runtime",
     "tensorboard",
     "uris",

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from vertexrt.errors import ConfigError
-from vertexrt.runtime.logs import JsonLineFormatter, setup_logging
+from vertexrt.runtime.logs import MAX_ENTRY_BYTES, JsonLineFormatter, setup_logging
 
 LABELS = "logging.googleapis.com/labels"
 SOURCE = "logging.googleapis.com/sourceLocation"
@@ -314,3 +314,47 @@ def test_the_users_package_logs_at_info_when_run_with_dash_m(clean_env: None, tm
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "INFO mytrainer.model: built" in done.stderr and "chatter" not in done.stderr
+
+
+@pytest.mark.parametrize("filler", ["x", "\x01", "é"])  # 1, 6 (JSON escape) and 2 bytes per character
+def test_an_entry_over_cloud_loggings_limit_is_cut_in_the_middle_with_a_marker(filler: str) -> None:
+    message = "HEAD " + filler * 600_000 + " Traceback ... ValueError: the tail"
+    record = logging.getLogger("vertexrt.test").makeRecord(
+        "vertexrt.test", logging.ERROR, "/srv/train.py", 1, message, (), None
+    )
+    line = JsonLineFormatter({"rank": "0"}).format(record)
+    assert len(line.encode()) <= MAX_ENTRY_BYTES < 256 * 1024
+    kept = json.loads(line)["message"]
+    assert kept.startswith("HEAD ") and kept.endswith("ValueError: the tail")
+    assert "vertexrt cut " in kept and f"of {len(message.encode())} bytes" in kept
+
+
+def test_a_short_entry_is_left_whole() -> None:
+    message = "y" * (MAX_ENTRY_BYTES // 2)
+    record = logging.getLogger("t").makeRecord("t", logging.INFO, "/srv/train.py", 1, message, (), None)
+    assert json.loads(JsonLineFormatter({}).format(record))["message"] == message
+
+
+def test_bytes_that_are_not_utf8_are_escaped_and_every_line_is_utf8(tmp_path: Path) -> None:
+    """A file name with a Latin-1 byte (kept by surrogateescape) and half a UTF-16 pair, logged on Vertex
+    by a process whose stdout passes surrogates through as raw bytes (as in a C-locale container)."""
+    script = textwrap.dedent(
+        """
+        import logging, os
+        from vertexrt.runtime.logs import setup_logging
+
+        undo = setup_logging(rank=0, replica="workerpool0-0", is_chief=True, json_lines=True)
+        name = os.fsdecode(b"/data/caf\\xe9.jsonl")
+        logging.getLogger("vertexrt.test").warning("cannot read %s: %s", name, "half \\ud83d pair")
+        undo()
+        """
+    )
+    path = tmp_path / "log_bytes.py"
+    path.write_text(script)
+    done = subprocess.run(
+        [sys.executable, str(path)], capture_output=True, timeout=120,
+        env={**os.environ, "PYTHONIOENCODING": "utf-8:surrogateescape"},
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stderr == b"", done.stderr
+    (line,) = done.stdout.decode("utf-8").splitlines()  # strict: every byte is UTF-8
+    assert json.loads(line)["message"] == "cannot read /data/caf\\xe9.jsonl: half \\ud83d pair"

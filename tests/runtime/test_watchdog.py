@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from jobs import run_job
 
 from vertexrt.errors import ConfigError
+from vertexrt.phases import current_phase, long_phase
 from vertexrt.runtime.watchdog import DEFAULT_TIMEOUT, HANG_EXIT_CODE, TIMEOUT_VARIABLE, hang_timeout
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -52,7 +54,7 @@ def test_timeout_comes_from_the_argument_the_environment_or_the_default(monkeypa
     assert hang_timeout(0) is None
 
 
-@pytest.mark.parametrize("value", ["soon", "-5", "nan", "inf", "1e12"])
+@pytest.mark.parametrize("value", ["soon", "-5", "nan", "inf", "-inf", "1e12", "1e-320", "0.5"])
 def test_a_bad_timeout_names_the_variable(monkeypatch, value: str) -> None:
     monkeypatch.setenv(TIMEOUT_VARIABLE, value)
     with pytest.raises(ConfigError, match=TIMEOUT_VARIABLE):
@@ -78,7 +80,7 @@ def test_a_process_that_beats_or_never_beat_is_left_alone(tmp_path, mode: str) -
 
 
 def test_a_hang_holding_the_gil_is_ended_by_the_backstop(tmp_path) -> None:
-    done = _run("gil", 0.5, tmp_path)
+    done = _run("gil", 1.0, tmp_path)
     assert done.returncode != 0
     assert "FINISHED" not in done.stdout
     assert "Timeout" in done.stderr and "hang.py" in done.stderr  # faulthandler's dump of the stuck frame
@@ -135,3 +137,60 @@ def test_the_trainer_and_ctx_step_feed_the_process_watchdog(tmp_path, script, la
     assert "FINISHED" not in done.stdout
     assert f"(last completed step: {last_step})" in done.stderr, done.stderr[-3000:]
     assert "train_step" in done.stderr  # the stuck frame, from faulthandler
+
+
+def _phases(mode: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, VERTEXRT_HANG_TIMEOUT="1", VERTEXRT_LOCAL_DIR=str(tmp_path))
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / "slow_phases.py"), mode, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
+
+
+@pytest.mark.parametrize("mode", ["first_step", "evaluate", "snapshot", "loader_startup", "counting"])
+def test_a_healthy_slow_phase_is_not_a_hang(tmp_path, mode: str) -> None:
+    """A slow first step (compilation), evaluate(), checkpoint snapshot, DataLoader worker start-up or
+    ``equalize`` count takes longer than VERTEXRT_HANG_TIMEOUT without a step: the job goes on (exit 134
+    would restart it into the same slow phase)."""
+    done = _phases(mode, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FINISHED" in done.stdout
+    assert "no training progress" not in done.stderr
+
+
+def _ended(pid: int, within: float) -> bool:
+    """True once process ``pid`` (not our child) has ended, waiting at most ``within`` seconds for it."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        return bool(select.select([fd], [], [], within)[0])  # readable once the process has exited
+    finally:
+        os.close(fd)
+
+
+def test_a_hang_does_not_leave_a_dataloader_worker_behind(tmp_path) -> None:
+    done = _phases("orphan", tmp_path)
+    pid = int((tmp_path / "worker.pid").read_text())
+    try:
+        assert done.returncode == HANG_EXIT_CODE, done.stderr[-3000:]
+        assert "(last completed step: 1)" in done.stderr
+        assert _ended(pid, within=30), f"DataLoader worker {pid} outlived its replica"
+    finally:
+        if not _ended(pid, within=0):
+            os.kill(pid, 9)
+
+
+def test_long_phases_nest_and_end_even_on_an_error() -> None:
+    with long_phase("outer"):
+        with pytest.raises(ValueError), long_phase("inner"):
+            assert current_phase()[0] == "inner"
+            raise ValueError("evaluation failed")
+        assert current_phase()[0] == "outer"
+    phase, ended = current_phase()
+    assert phase is None and ended > 0.0

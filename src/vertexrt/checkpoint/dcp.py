@@ -231,7 +231,8 @@ def _writer_class() -> type:
                             "shape": list(data.shape),
                         }
                     )
-                nodes.append({"t": "bytes"})
+                offset = item.index.offset
+                nodes.append({"t": "bytes", "of": [item.index.fqn, None if offset is None else list(offset)]})
             prefix = f"data.{self.token}.s{self.rank}"
             files = datafiles.write(
                 strategy.store,
@@ -586,8 +587,12 @@ def decode_metadata(value: Any, manifest: dict[str, Any], *, name: str) -> Any:
                 where = {**where, "dtype": kind}
             elif where["t"] != "bytes":
                 raise ValueError(f"item kind {str(where['t'])[:40]}")
+            held = nodes[leaf].get("of")  # what the leaf holds (steps written before it was recorded: None)
+            if held is not None and held != [fqn, offset]:
+                raise ValueError(f"{str(fqn)[:80]} at {offset} located in a leaf that holds {str(held)[:80]}")
             key = MetadataIndex(str(fqn), None if offset is None else torch.Size(dims(offset)))
             located[key] = where
+        _check_layout(entries, located)
         planner = {str(k): tuple(v) for k, v in value["planner"].items()}
         if not all(isinstance(p, (str, int)) for path in planner.values() for p in path):
             raise ValueError("planner paths")
@@ -595,6 +600,70 @@ def decode_metadata(value: Any, manifest: dict[str, Any], *, name: str) -> Any:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointCorruptError(f"manifest {name} has invalid DCP metadata: {exc}", file=name) from None
     return Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=located, version=version)
+
+
+def _check_layout(entries: dict[str, Any], located: dict[Any, dict[str, Any]]) -> None:
+    """The metadata against the tensors it describes, before any byte is copied: each tensor's chunks lie
+    inside it and cover it without overlap, each chunk is stored as one leaf of the chunk's shape and the
+    tensor's dtype, each stored item is described by exactly one entry, and no leaf is used twice.
+
+    Raises:
+        ValueError: naming the item and what disagrees (the caller makes it a CheckpointCorruptError).
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    described = 0
+    for fqn, entry in entries.items():
+        if isinstance(entry, BytesStorageMetadata):
+            where = located.get(MetadataIndex(fqn, None))
+            if where is None or where["t"] != "bytes":
+                raise ValueError(f"{fqn[:80]} is described as bytes but not stored as bytes")
+            described += 1
+            continue
+        size, kind = list(entry.size), entry.properties.dtype
+        boxes = []
+        for chunk in entry.chunks:
+            offsets, sizes = list(chunk.offsets), list(chunk.sizes)
+            if len(offsets) != len(size) or len(sizes) != len(size):
+                raise ValueError(f"{fqn[:80]} of size {size} has a chunk at {offsets} of size {sizes}")
+            if any(o + n > s for o, n, s in zip(offsets, sizes, size, strict=True)):
+                raise ValueError(
+                    f"{fqn[:80]} of size {size} has a chunk at {offsets} of size {sizes} outside it"
+                )
+            where = located.get(MetadataIndex(fqn, chunk.offsets))
+            if where is None or where["t"] != "tensor":
+                raise ValueError(f"the chunk of {fqn[:80]} at {offsets} is not stored as a tensor")
+            if list(where["shape"]) != sizes or where["dtype"] != kind:
+                raise ValueError(
+                    f"the chunk of {fqn[:80]} at {offsets} is {sizes} {kind}, but stored as {where['shape']} "
+                    f"{where['dtype']}"
+                )
+            boxes.append((offsets, sizes))
+        if not _tiles(size, boxes):
+            raise ValueError(f"the chunks of {fqn[:80]} do not cover its size {size} exactly once")
+        described += len(boxes)
+    if described != len(located):
+        raise ValueError(f"{len(located) - described} stored items are described by no entry (or twice)")
+    leaves = {(where["shard"], where["leaf"]) for where in located.values()}
+    if len(leaves) != len(located):
+        raise ValueError("one stored leaf is located for several items")
+
+
+def _tiles(size: list[int], boxes: list[tuple[list[int], list[int]]]) -> bool:
+    """True when ``boxes`` ((offsets, sizes), each inside ``size``) cover ``size`` with no overlap: their
+    volumes add up to it and no two intersect (a sweep along the first dimension)."""
+    if sum(math.prod(n) for _, n in boxes) != math.prod(size):
+        return False
+    if not size:  # a scalar: one chunk of volume 1
+        return True
+    open_boxes: list[tuple[list[int], list[int]]] = []
+    for offsets, sizes in sorted((b for b in boxes if math.prod(b[1])), key=lambda b: b[0]):
+        open_boxes = [(o, n) for o, n in open_boxes if o[0] + n[0] > offsets[0]]
+        for o, n in open_boxes:
+            if all(a < c + m and c < a + k for a, k, c, m in zip(offsets, sizes, o, n, strict=True)):
+                return False
+        open_boxes.append((offsets, sizes))
+    return True
 
 
 def _int(value: Any) -> bool:

@@ -38,6 +38,7 @@ from vertexrt.checkpoint.policies import (
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.checkpoint.retention import Retention
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, StepExistsError
+from vertexrt.phases import long_phase
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,12 @@ class CheckpointManager:
         step = operator.index(step)
         if not self._decide(step, force):
             return False
+        with long_phase(f"checkpoint save of step {step}"):  # snapshot (and a blocking write): no hang
+            return self._save_decided(step, state, metrics, shard, overwrite)
+
+    def _save_decided(
+        self, step: int, state: Any, metrics: Mapping[str, float] | None, shard: int | None, overwrite: bool
+    ) -> bool:
         self.wait()
         if dcp.holds_dtensors(state):  # sharded (DTensor) state: every rank writes its shards via DCP
             dcp.save(self, step, state, _read_metrics(_metrics(metrics)), overwrite)

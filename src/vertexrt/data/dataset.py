@@ -40,6 +40,7 @@ from vertexrt.data.sharding import (
 )
 from vertexrt.data.sources import TableSource, expand_files, is_bigquery, parse_table
 from vertexrt.errors import ConfigError, DataError
+from vertexrt.phases import long_phase
 
 if TYPE_CHECKING:
     import tensorflow as tf
@@ -681,6 +682,10 @@ class Dataset:
     def _counted(self, units: Sequence[Unit]) -> list[int]:
         """:meth:`_unit_counts`, Storage Read streams included (every rank calls it: the ranks share the
         work of reading each stream once to count its rows, kept under the stream's index)."""
+        with long_phase("counting records"):  # before an epoch's first batch: not a hang
+            return self._counted_now(units)
+
+    def _counted_now(self, units: Sequence[Unit]) -> list[int]:
         streams = self._table_streams() or []
         if any(unit.source not in self._counts for unit in units if streams):
             topo = self.topology()

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from vertexrt.data.cursor import DONE, Cursor
 from vertexrt.errors import ConfigError
+from vertexrt.phases import long_phase
 
 if TYPE_CHECKING:
     from vertexrt.data.dataset import Dataset
@@ -239,7 +241,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         if epoch != self._cursors_epoch:
             self._reader_cursors = {}
             self._cursors_epoch = epoch
-        for reader, reader_epoch, cursor, batch in super().__iter__():
+        with long_phase("DataLoader start-up"):  # workers start and fill their first batch: not a hang
+            batches = super().__iter__()
+            first = list(itertools.islice(batches, 1))
+        for reader, reader_epoch, cursor, batch in itertools.chain(first, batches):
             if reader_epoch > epoch:  # this batch ended that reader's epoch
                 self._reader_cursors[reader] = Cursor(phase=DONE).to_dict()
             elif cursor is not None:

@@ -183,8 +183,9 @@ class Context:
     def watchdog(self) -> HangWatchdog:
         """The process's hang watchdog (``VERTEXRT_HANG_TIMEOUT``, default 30 min), created on first use.
 
-        Its countdown starts at the first :meth:`step` (or ``watchdog.beat()``): a job that never reports a
-        step is never ended by it. The Trainer and the Keras callbacks report their steps themselves.
+        Its countdown starts at the first :meth:`step` (or ``watchdog.beat(step)``): a job that never reports
+        a step is never ended by it, and time inside ``vertexrt.phases.long_phase(...)`` does not count. The
+        Trainer and the Keras callbacks report their steps themselves.
         """
         if self._watchdog is None:
             from vertexrt.runtime.watchdog import process_watchdog

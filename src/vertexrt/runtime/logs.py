@@ -5,6 +5,9 @@ Locally each line is plain text prefixed with the replica (``[workerpool0-0 r0]`
 google-cloud-logging's ``StructuredLogHandler``: ``severity``, ``message`` (with the traceback, one entry
 per exception), ``logging.googleapis.com/labels`` (job, trial, replica, rank, python_logger) and
 ``logging.googleapis.com/sourceLocation``. Cloud Logging files every stderr line as a separate ERROR.
+Each JSON line is valid UTF-8 (a byte that is not, kept in a ``str`` by ``surrogateescape``, is written
+as ``\\xNN``) and at most ``MAX_ENTRY_BYTES``: Cloud Logging drops entries over 256 KB, so a longer
+message keeps its head and its tail (where a traceback names the error) around a visible marker.
 
 Levels: the ``vertexrt`` logger and the user's (``__main__``, the package of ``python -m pkg.task``, any
 ``app_loggers``) get ``level`` on the chief (WARNING on other ranks unless ``all_ranks``); the root logger,
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -43,6 +47,12 @@ OWN_LOGGERS = ("vertexrt", "__main__")
 TQDM_MININTERVAL = "30"
 
 _MAX_LABEL = 1024  # Cloud Logging truncates label values; a hostile env value stays bounded
+
+#: The largest JSON line written, in bytes: below Cloud Logging's 256 KB per entry, with room for the
+#: fields the logging agent adds.
+MAX_ENTRY_BYTES = 240_000
+_MARKER_BYTES = 200
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def severity(levelno: int) -> str:
@@ -187,15 +197,59 @@ def _default_labels(rank: int, replica: str) -> dict[str, str]:
 def _entry(
     message: str, levelno: int, created: float, logger: str, labels: dict[str, str], source: dict[str, Any]
 ) -> str:
+    message = _utf8(message)
     entry = {
         "severity": severity(levelno),
         "message": message,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created))
         + f".{int(created * 1000) % 1000:03d}Z",
-        "logging.googleapis.com/labels": {**labels, "python_logger": logger},
-        "logging.googleapis.com/sourceLocation": source,
+        "logging.googleapis.com/labels": {
+            _utf8(k): _utf8(v) for k, v in {**labels, "python_logger": logger}.items()
+        },
+        "logging.googleapis.com/sourceLocation": {
+            k: _utf8(v) if isinstance(v, str) else v for k, v in source.items()
+        },
     }
-    return json.dumps(entry, ensure_ascii=False)
+    line = json.dumps(entry, ensure_ascii=False)
+    excess = len(line.encode()) - MAX_ENTRY_BYTES
+    if excess > 0:
+        size = len(message.encode())
+        escaped = len(json.dumps(message, ensure_ascii=False).encode())  # control characters take 6 bytes
+        keep = int((escaped - excess - _MARKER_BYTES) * size / escaped)
+        while True:  # a second round at most: each byte cut is at least one byte (its escape) off the line
+            entry["message"] = _shortened(message, max(0, keep))
+            line = json.dumps(entry, ensure_ascii=False)
+            over = len(line.encode()) - MAX_ENTRY_BYTES
+            if over <= 0 or keep <= 0:
+                return line
+            keep -= over
+    return line
+
+
+def _utf8(text: str) -> str:
+    """``text`` with each lone surrogate written as an escape, so that it encodes as valid UTF-8: ``\\xNN``
+    for a byte that was not UTF-8 (kept by ``surrogateescape``, e.g. in a file name), ``\\uNNNN`` for half
+    of a broken UTF-16 pair."""
+    if not _LONE_SURROGATE.search(text):
+        return text
+
+    def escape(match: re.Match[str]) -> str:
+        code = ord(match.group())
+        return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"
+
+    return _LONE_SURROGATE.sub(escape, text)
+
+
+def _shortened(message: str, keep: int) -> str:
+    """``message`` cut to its first and last ``keep`` bytes (UTF-8; two thirds of them from the head, which
+    says what happened, the rest from the tail, which holds a traceback's error) around a marker."""
+    data = message.encode()
+    head, tail = data[: keep * 2 // 3], data[len(data) - (keep - keep * 2 // 3) :]
+    marker = (
+        f"\n[... vertexrt cut {len(data) - len(head) - len(tail)} of {len(data)} bytes from the middle of "
+        "this log entry: Cloud Logging keeps at most 256 KB per entry ...]\n"
+    )
+    return head.decode(errors="ignore") + marker + tail.decode(errors="ignore")  # no character split in two
 
 
 def _set_level(logger: logging.Logger, level: int) -> Callable[[], None]:

@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, DataError
+from vertexrt.phases import long_phase
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.entry import Preempted
 from vertexrt.runtime.progress import Progress
@@ -324,8 +325,7 @@ class Trainer(StateTracker):
         else:
             self._tree = full if self.ctx.rank == 0 else {"local": full["local"]}
         self._restore_target = full
-        self._restore()
-        self.ctx.watchdog.beat(self.step)  # from here on, a step that never ends is a hang
+        self._restore()  # the hang watchdog is armed by the first completed step: compiling it is no hang
         progress = Progress(
             total_steps=self._total_steps(data),
             start_step=self.step,
@@ -587,14 +587,13 @@ class Trainer(StateTracker):
             return
         self._loop.eval_pending = True  # saved only if preempted inside evaluate(): redone on resume
         self._eval_batches = 0
-        self.ctx.watchdog.beat()
-        try:
-            returned = self.evaluate()
-            counted = self._eval_batches
-        finally:
-            self._eval_batches = None
-        self.ctx.watchdog.beat()
-        metrics = self._average(_weighted(returned, counted or 1))
+        with long_phase("evaluation"):  # not a hang, however long, nor is waiting for a slower rank's
+            try:
+                returned = self.evaluate()
+                counted = self._eval_batches
+            finally:
+                self._eval_batches = None
+            metrics = self._average(_weighted(returned, counted or 1))
         self._loop.eval_pending = False
         self._loop.last_eval_step = self.step
         self._loop.eval_metrics = metrics

@@ -8,9 +8,14 @@ the last collectives of torch.distributed's flight recorder, and ends the proces
 (``os._exit``: the main thread is stuck), which Vertex treats as transient: it restarts the replica and the
 job resumes from its last checkpoint.
 
-The countdown starts at the first beat: a process that never beats is never ended. Should the main thread
-hang while holding the GIL, a C-level backstop (``faulthandler.dump_traceback_later``) dumps the stacks and
-exits with code 1 a little later. ``start()`` also turns on torch's flight recorder for process groups
+The countdown starts at the first completed step (``beat(step)``): what comes before it (restoring,
+compiling the first step, workers starting) is never a hang, and a process that never beats is never
+ended. Time inside a :func:`vertexrt.phases.long_phase` (evaluation, checkpoint saves, DataLoader start-up,
+``equalize`` counting) does not count: the countdown starts again when the phase ends (a hang inside one is
+left to Vertex's job timeout). When it fires, the process's ``multiprocessing`` children (DataLoader
+workers) are killed first, so none is left behind. Should the main thread hang while holding the GIL, a
+C-level backstop (``faulthandler.dump_traceback_later``) dumps the stacks and exits with code 1 a little
+later. ``start()`` also turns on torch's flight recorder for process groups
 created after it (``TORCH_FR_BUFFER_SIZE``, unless already set).
 
 Example:
@@ -18,6 +23,8 @@ Example:
     >>> for step in range(1, 101):
     ...     train_step()  # doctest: +SKIP
     ...     wd.beat(step)
+    >>> with vertexrt.phases.long_phase("evaluation"):
+    ...     evaluate()  # doctest: +SKIP
     >>> wd.stop()
 """
 
@@ -33,12 +40,14 @@ import time
 from types import TracebackType
 
 from vertexrt.errors import ConfigError
+from vertexrt.phases import current_phase
 
 logger = logging.getLogger(__name__)
 
 #: Seconds without progress before the watchdog fires, from the environment (``0`` or ``off``: never).
 TIMEOUT_VARIABLE = "VERTEXRT_HANG_TIMEOUT"
 DEFAULT_TIMEOUT = 1800.0
+MIN_TIMEOUT = 1.0  # below a second a limit is a typo (1e-320), not a choice
 MAX_TIMEOUT = 7 * 24 * 3600.0  # Vertex's default job timeout
 #: SIGABRT's code: the exit code Vertex documents as transient (the job is retried, not failed for good).
 HANG_EXIT_CODE = 134
@@ -58,7 +67,7 @@ def hang_timeout(explicit: float | None = None) -> float | None:
         600.0
 
     Raises:
-        ConfigError: the value is not a number of seconds between 0 and 7 days.
+        ConfigError: the value is not 0 or a number of seconds between 1 and 7 days.
     """
     if explicit is not None:
         return _checked(float(explicit), f"timeout={explicit!r}")
@@ -77,10 +86,11 @@ def hang_timeout(explicit: float | None = None) -> float | None:
 def _checked(value: float, where: str) -> float | None:
     if value == 0:
         return None
-    if not 0 < value <= MAX_TIMEOUT:  # also rejects NaN
+    if not MIN_TIMEOUT <= value <= MAX_TIMEOUT:  # also rejects NaN and infinities
         raise ConfigError(
-            f"{where}: give the seconds without progress before a hang is declared, a number above 0 and at "
-            f"most {MAX_TIMEOUT:.0f} (7 days), or 0 to turn the hang watchdog off"
+            f"{where}: give the seconds without progress before a hang is declared, a number from "
+            f"{MIN_TIMEOUT:.0f} to {MAX_TIMEOUT:.0f} (7 days), or 0 to turn the hang watchdog off "
+            f"({TIMEOUT_VARIABLE}=0)"
         )
     return value
 
@@ -107,13 +117,17 @@ class HangWatchdog:
         self._thread: threading.Thread | None = None
 
     def beat(self, step: int | None = None) -> None:
-        """Record progress (``step``: the step just completed, shown when the watchdog fires)."""
-        self._last = time.monotonic()
+        """Record progress: ``step`` completed (it arms the countdown, and is shown when the watchdog
+        fires); without a step, progress within a step (an armed countdown starts again, else nothing)."""
         if step is not None:
             self._step = step
+            self._last = time.monotonic()
+        elif self._last is not None:
+            self._last = time.monotonic()
 
     def start(self) -> HangWatchdog:
-        """Start the watching thread (once; the countdown begins at the first ``beat``); returns ``self``."""
+        """Start the watching thread (once; the countdown begins at the first ``beat(step)``); returns
+        ``self``."""
         if self.timeout is None or self._thread is not None:
             return self
         if self.replica is None:
@@ -125,7 +139,7 @@ class HangWatchdog:
         return self
 
     def stop(self) -> None:
-        """Stop watching (e.g. before a long evaluation or export that does not beat)."""
+        """Stop watching (e.g. before an export, after the last step; a pause is :func:`long_phase`)."""
         thread, self._thread = self._thread, None
         self._last = None  # a later start() re-arms at its first beat
         if thread is None:
@@ -153,6 +167,13 @@ class HangWatchdog:
             last = self._last
             if last is None:
                 continue
+            phase, phase_ended = current_phase()
+            if phase is not None:  # not a hang: the countdown starts again when the phase ends
+                if armed_at is not None:
+                    faulthandler.cancel_dump_traceback_later()
+                    armed_at = None
+                continue
+            last = max(last, phase_ended)
             idle = time.monotonic() - last
             if idle >= timeout:
                 self._fire(idle)
@@ -189,6 +210,7 @@ class HangWatchdog:
                 stream.flush()
             except (OSError, ValueError, AttributeError):
                 pass
+        _kill_children()
         os._exit(self.exit_code)
 
 
@@ -236,6 +258,19 @@ def last_collectives(limit: int = _SHOWN_COLLECTIVES) -> list[str]:
             f"sizes={entry.get('input_sizes', '?')} state={entry.get('state', '?')}"
         )
     return lines
+
+
+def _kill_children() -> None:
+    """SIGKILL this process's ``multiprocessing`` children (DataLoader workers): ``os._exit`` skips the
+    clean-up that ends them, and a worker stuck inside the user's dataset never notices its parent is gone."""
+    multiprocessing = sys.modules.get("multiprocessing")
+    if multiprocessing is None:
+        return
+    for child in multiprocessing.active_children():
+        try:
+            child.kill()
+        except (OSError, ValueError, AttributeError) as err:  # gone meanwhile, or not ours to end
+            logger.debug("hang watchdog: could not end child %s: %s", child.pid, err)
 
 
 def _enable_flight_recorder() -> None:
