@@ -51,7 +51,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from vertexrt import env as contract
 from vertexrt._net import free_ports
@@ -137,6 +137,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="start the replicas SECONDS apart, the chief last (VMs come up minutes apart on Vertex)",
     )
+    chaos = parser.add_argument_group("fault certificate (see vertexrt.distributed.chaos.driver)")
+    chaos.add_argument(
+        "--chaos",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="run once without faults, then N times under seeded faults, and compare with the first",
+    )
+    chaos.add_argument("--seed", type=int, default=0, help="the fault schedule's seed (with --chaos)")
+    chaos.add_argument("--chaos-report", metavar="FILE", help="write the certificate as JSON to FILE")
+    chaos.add_argument(
+        "--chaos-rtol",
+        type=_seconds,
+        default=None,
+        metavar="X",
+        help="relative tolerance for numbers in model files that differ and parse (JSON, NumPy, torch)",
+    )
     data = parser.add_argument_group("managed dataset (what Vertex sets for a managed-dataset job)")
     data.add_argument("--training-data", metavar="URI", help="AIP_TRAINING_DATA_URI")
     data.add_argument("--validation-data", metavar="URI", help="AIP_VALIDATION_DATA_URI")
@@ -156,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             "local-run: no command given; usage: vertexrt local-run --workers 2 -- python train.py"
         )
+    command = with_this_python(command)
     if args.ps and args.reduction_server:
         raise ConfigError("local-run: --ps and --reduction-server both use workerpool2; choose one")
     if not 0 <= args.stagger <= 3600:
@@ -178,8 +196,25 @@ def run(args: argparse.Namespace) -> int:
         data=_data_variables(args, os.environ),
         stagger=args.stagger,
     )
+    if args.chaos is not None:
+        if args.preempt_after is not None or args.trial:
+            raise ConfigError(
+                "local-run: --chaos places its own faults; leave out --preempt-after and --trial"
+            )
+        from vertexrt.distributed.chaos.driver import Options, certify
+
+        options = Options(args.chaos, args.seed, args.grace, args.chaos_rtol, args.chaos_report)
+        return certify(job, options)
     restarts = args.restarts if args.restarts is not None else (1 if args.preempt_after is not None else 0)
     return Supervisor(job, grace=args.grace, preempt_after=args.preempt_after, restarts=restarts).run()
+
+
+def with_this_python(command: Sequence[str]) -> list[str]:
+    """``command`` with a bare ``python``/``python3`` replaced by this interpreter (``sys.executable``), so
+    the replicas run in the environment ``vertexrt`` was started from, not whatever is first on ``PATH``."""
+    if command and command[0] in ("python", "python3"):
+        return [sys.executable, *command[1:]]
+    return list(command)
 
 
 @dataclass(frozen=True)
@@ -446,6 +481,35 @@ class OutputRelay:
         self.out.flush()
 
 
+@dataclass(frozen=True)
+class FaultNotice:
+    """A fault that landed in a replica (it signalled itself, see :mod:`vertexrt.audit`): ``everyone``
+    means Vertex preempts every replica (the others get SIGTERM now); the attempt ends ``grace`` seconds
+    later at most."""
+
+    replica: str
+    everyone: bool
+    grace: float
+
+
+class FaultSource(Protocol):
+    """The chaos driver's side of an attempt: extra variables per replica, and the fault once it landed."""
+
+    def environment(self, attempt: int, replica: Replica) -> dict[str, str]: ...
+
+    def notice(self, attempt: int) -> FaultNotice | None: ...
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """How one attempt of the job ended: ``outcome`` (succeeded, failed, preempted, interrupted), the job's
+    exit code and each replica's."""
+
+    outcome: str
+    code: int
+    codes: dict[str, int]
+
+
 @dataclass
 class Supervisor:
     """Starts the replicas, relays their output, judges the job by the chief, tears down, restarts."""
@@ -455,6 +519,8 @@ class Supervisor:
     preempt_after: float | None = None
     restarts: int = 0
     out: BinaryIO = field(default_factory=lambda: sys.stdout.buffer)
+    faults: FaultSource | None = None
+    attempts: list[Attempt] = field(default_factory=list, init=False)
     _running: list[_Running] = field(default_factory=list, init=False)
     _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector, init=False)
     _stop_signal: int | None = field(default=None, init=False)
@@ -462,6 +528,7 @@ class Supervisor:
     _sessions: set[int] = field(default_factory=set, init=False)
     _relay: OutputRelay = field(init=False)
     _watchdog: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _codes: dict[str, int] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self._relay = OutputRelay(self.out)
@@ -475,7 +542,7 @@ class Supervisor:
             attempt = 0
             while True:
                 attempt += 1
-                outcome, code = self._attempt(preempt=self.preempt_after if attempt == 1 else None)
+                outcome, code = self._attempt(attempt, preempt=self.preempt_after if attempt == 1 else None)
                 if outcome in ("preempted", "failed") and attempt <= self.restarts:
                     self._say(f"{outcome}: restarting the whole job (restart {attempt} of {self.restarts})")
                     continue
@@ -494,8 +561,12 @@ class Supervisor:
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._stop_signal = signum
 
-    def _attempt(self, preempt: float | None) -> tuple[str, int]:
+    def _attempt(self, attempt: int, preempt: float | None) -> tuple[str, int]:
         replicas = replica_environments(self.job, os.environ, free_ports(port_count(self.job)))
+        if self.faults is not None:
+            for replica in replicas:
+                replica.env.update(self.faults.environment(attempt, replica))
+        codes: dict[str, int] = {}
         try:
             for replica in replicas:
                 if not replica.runs:
@@ -508,13 +579,15 @@ class Supervisor:
                 if self._stopping():  # a signal or a failure: start no more replicas, _watch reports it
                     break
                 self._start(replica)
-            outcome, code = self._watch(time.monotonic(), preempt)
+            outcome, code = self._watch(attempt, time.monotonic(), preempt)
             if outcome == "succeeded":  # Vertex then shuts the others down; let workers finish first
                 self._wait(
                     lambda r: r.replica.pool != "workerpool1", timeout=min(self.grace, _SETTLE_SECONDS)
                 )
         finally:
-            self._teardown()
+            codes = {**self._codes, **self._teardown()}
+            self._codes = {}
+        self.attempts.append(Attempt(outcome, code, codes))
         return outcome, code
 
     def _start(self, replica: Replica) -> None:
@@ -539,9 +612,12 @@ class Supervisor:
         self._selector.register(proc.stdout, selectors.EVENT_READ, running)  # type: ignore[arg-type]
         self._running.append(running)
 
-    def _watch(self, started: float, preempt: float | None) -> tuple[str, int]:
+    def _watch(self, attempt: int, started: float, preempt: float | None) -> tuple[str, int]:
         while True:
             self._pump(0.1)
+            notice = self.faults.notice(attempt) if self.faults is not None else None
+            if notice is not None:
+                return self._fault(notice)
             for r in self._running:
                 if r.returncode is None or r.reported:
                     continue
@@ -561,9 +637,42 @@ class Supervisor:
                 self._say(
                     f"preempting the job after {preempt:g}s: SIGTERM to every replica, {self.grace:g}s grace"
                 )
-                self._teardown()
-                chief_code = next((r.returncode for r in chief if r.returncode), 0) or 0
-                return "preempted", chief_code
+                return self._preempted(self._keep(self._teardown()))
+
+    def _fault(self, notice: FaultNotice) -> tuple[str, int]:
+        """A fault landed in ``notice.replica``: SIGTERM the others when every replica is preempted, let
+        the replicas exit by themselves for the grace, then end the attempt as Vertex would."""
+        if notice.everyone:
+            for r in self._running:
+                if r.returncode is None and r.replica.label != notice.replica:
+                    with contextlib.suppress(ProcessLookupError):
+                        r.proc.send_signal(signal.SIGTERM)
+        self._say(
+            f"fault in {notice.replica}: "
+            + ("SIGTERM to every replica" if notice.everyone else "that replica only")
+            + f", {notice.grace:g}s grace"
+        )
+        self._wait(lambda r: False, timeout=notice.grace)
+        return self._preempted(self._keep(self._teardown(grace=0)))
+
+    def _keep(self, codes: dict[str, int]) -> dict[str, int]:
+        """Remember ``codes`` (a teardown's) for this attempt's record."""
+        self._codes.update(codes)
+        return codes
+
+    def _preempted(self, codes: Mapping[str, int]) -> tuple[str, int]:
+        """The outcome of a preempted attempt whose replicas exited with ``codes``: a job whose training
+        replicas all exited 0 finished (Vertex judges by exit codes and does not run it again)."""
+        trained = {
+            label: code
+            for label, code in codes.items()
+            if not label.startswith(("workerpool2", "workerpool3"))
+        }
+        if trained and all(code == 0 for code in trained.values()):
+            self._say("every replica exited 0 after the notice: the job finished, no restart")
+            return "succeeded", 0
+        chief = [code for label, code in codes.items() if label.startswith("workerpool0")]
+        return "preempted", next((c for c in chief if c), 0)
 
     def _pump(self, timeout: float) -> None:
         for key, _ in self._selector.select(timeout):
@@ -602,15 +711,16 @@ class Supervisor:
             for r in self._running
         )
 
-    def _teardown(self) -> None:
-        """SIGTERM every process the job started, wait ``grace`` for the replicas, SIGKILL everything left
-        (daemons that left the replica's process group too); relay their output."""
+    def _teardown(self, grace: float | None = None) -> dict[str, int]:
+        """SIGTERM each replica's main process, as a container runtime signals PID 1 only (its DataLoader
+        workers and other children must outlive the notice), wait ``grace`` for the replicas, SIGKILL
+        everything left (the replica's process group, daemons that left it too); relay their output."""
+        grace = self.grace if grace is None else grace
         alive = [r for r in self._running if r.returncode is None]
         for r in alive:
-            _signal_group(r.proc.pid, signal.SIGTERM)
-        groups = {r.proc.pid for r in alive}  # signalled just now: once is enough
-        reaper.kill_all(self._run_id, self._sessions, signal.SIGTERM, skip_groups=groups)
-        self._wait(lambda r: False, timeout=self.grace if alive else 0)
+            with contextlib.suppress(ProcessLookupError):
+                r.proc.send_signal(signal.SIGTERM)
+        self._wait(lambda r: False, timeout=grace if alive else 0)
         killed = [r for r in self._running if r.returncode is None]
         for r in self._running:
             _signal_group(r.proc.pid, signal.SIGKILL)  # also reaps grandchildren left in the group
@@ -619,10 +729,11 @@ class Supervisor:
             r.proc.wait()
             r.returncode = _exit_code(r.proc.returncode)
             if r in killed:
-                self._say(f"{r.replica.label} ignored SIGTERM: SIGKILLed after the {self.grace:g} s grace")
+                self._say(f"{r.replica.label} ignored SIGTERM: SIGKILLed after the {grace:g} s grace")
             elif not r.reported:
                 self._say(f"{r.replica.label} exited with code {r.returncode}")
             r.reported = True
+        codes = {r.replica.label: r.returncode for r in self._running if r.returncode is not None}
         deadline = time.monotonic() + 2.0  # a daemonised grandchild may hold a pipe open: stop relaying
         while self._selector.get_map() and time.monotonic() < deadline:
             self._pump(0.05)
@@ -634,6 +745,7 @@ class Supervisor:
         self._running.clear()
         self._tell_watchdog("".join(f"end {pid}\n" for pid in self._sessions))
         self._sessions.clear()
+        return codes
 
     def _tell_watchdog(self, lines: str) -> None:
         if self._watchdog is not None and self._watchdog.stdin is not None:

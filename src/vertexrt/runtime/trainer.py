@@ -70,6 +70,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from vertexrt import audit
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.entry import Preempted
@@ -577,6 +578,7 @@ class Trainer(StateTracker):
             if save(loop.step, tree, loop.eval_metrics, shard=shard):  # when the save policy says so
                 self._saved = loop.state_dict()
         steps_in_epoch = loop.batch_in_epoch
+        audit.event("epoch_end", step=loop.step, epoch=loop.epoch)
         loop.epoch += 1
         loop.batch_in_epoch = 0
         if progress.total_steps is None and self.max_steps is None:
@@ -590,11 +592,13 @@ class Trainer(StateTracker):
         self._loop.eval_pending = True  # saved only if preempted inside evaluate(): redone on resume
         self._eval_batches = 0
         self.ctx.watchdog.beat()
+        audit.event("eval", step=self._loop.step)
         try:
             returned = self.evaluate()
             counted = self._eval_batches
         finally:
             self._eval_batches = None
+            audit.event("eval_end", step=self._loop.step)
         self.ctx.watchdog.beat()
         metrics = self._average(_weighted(returned, counted or 1))
         self._loop.eval_pending = False

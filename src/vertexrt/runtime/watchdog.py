@@ -32,6 +32,7 @@ import threading
 import time
 from types import TracebackType
 
+from vertexrt import audit
 from vertexrt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,7 @@ class HangWatchdog:
         self._last = time.monotonic()
         if step is not None:
             self._step = step
+            audit.step(step)
 
     def start(self) -> HangWatchdog:
         """Start the watching thread (once; the countdown begins at the first ``beat``); returns ``self``."""
