@@ -653,7 +653,7 @@ class Supervisor:
             + f", {notice.grace:g}s grace"
         )
         self._wait(lambda r: False, timeout=notice.grace)
-        return self._preempted(self._keep(self._teardown(grace=0)))
+        return self._preempted(self._keep(self._teardown(grace=0, waited=notice.grace)))
 
     def _keep(self, codes: dict[str, int]) -> dict[str, int]:
         """Remember ``codes`` (a teardown's) for this attempt's record."""
@@ -711,11 +711,12 @@ class Supervisor:
             for r in self._running
         )
 
-    def _teardown(self, grace: float | None = None) -> dict[str, int]:
+    def _teardown(self, grace: float | None = None, waited: float | None = None) -> dict[str, int]:
         """SIGTERM each replica's main process, as a container runtime signals PID 1 only (its DataLoader
         workers and other children must outlive the notice), wait ``grace`` for the replicas, SIGKILL
         everything left (the replica's process group, daemons that left it too); relay their output."""
         grace = self.grace if grace is None else grace
+        waited = grace if waited is None else waited  # the grace the replicas had, for the message
         alive = [r for r in self._running if r.returncode is None]
         for r in alive:
             with contextlib.suppress(ProcessLookupError):
@@ -729,7 +730,7 @@ class Supervisor:
             r.proc.wait()
             r.returncode = _exit_code(r.proc.returncode)
             if r in killed:
-                self._say(f"{r.replica.label} ignored SIGTERM: SIGKILLed after the {grace:g} s grace")
+                self._say(f"{r.replica.label} ignored SIGTERM: SIGKILLed after the {waited:g} s grace")
             elif not r.reported:
                 self._say(f"{r.replica.label} exited with code {r.returncode}")
             r.reported = True

@@ -27,6 +27,7 @@ from lightning.fabric.plugins.environments.cluster_environment import ClusterEnv
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 
+from vertexrt import audit
 from vertexrt.distributed.model import Cluster
 from vertexrt.distributed.torch import destroy_at_exit
 from vertexrt.errors import ConfigError
@@ -270,6 +271,7 @@ class VertexCallback(Callback):
         self._preemption = PreemptionAgreement()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        audit.step(trainer.global_step)  # `local-run --chaos` counts steps and places faults here
         if self._preemption is None or not self._preemption():
             return
         from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE
@@ -280,6 +282,9 @@ class VertexCallback(Callback):
         self.checkpoint_io.wait()
         self._release()
         raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        audit.event("epoch_end", step=trainer.global_step, epoch=trainer.current_epoch)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is None or trainer.sanity_checking or not trainer.is_global_zero:
