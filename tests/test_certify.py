@@ -38,23 +38,32 @@ EXAMPLES = [
 ]
 
 
-def _cases() -> list[tuple[Example, int, int]]:
+def _cases() -> list[object]:
+    """One case per example and seed; its time limit grows with the runs (a faulted run restarts the job)."""
     seeds = os.environ.get("VERTEXRT_CERTIFY_SEEDS")
     runs = os.environ.get("VERTEXRT_CERTIFY_RUNS")
-    return [
-        (example, seed, int(runs) if runs else example.runs)
-        for example in EXAMPLES
-        for seed in ([int(s) for s in seeds.split(",")] if seeds else [example.seed])
-    ]
+    cases = []
+    for example in EXAMPLES:
+        count = int(runs) if runs else example.runs
+        for seed in [int(s) for s in seeds.split(",")] if seeds else [example.seed]:
+            limit = 180 + 240 * count
+            cases.append(
+                pytest.param(
+                    example,
+                    seed,
+                    count,
+                    limit,
+                    id=f"{example.script}-seed{seed}",
+                    marks=pytest.mark.timeout(limit),
+                )
+            )
+    return cases
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    ("example", "seed", "runs"), _cases(), ids=lambda v: v.script if isinstance(v, Example) else str(v)
-)
+@pytest.mark.parametrize(("example", "seed", "runs", "limit"), _cases())
 def test_example_resumes_exactly_under_seeded_faults(
-    example: Example, seed: int, runs: int, tmp_path
+    example: Example, seed: int, runs: int, limit: int, tmp_path
 ) -> None:
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
     env["PYTHONUNBUFFERED"] = "1"
@@ -64,7 +73,7 @@ def test_example_resumes_exactly_under_seeded_faults(
         "--chaos", str(runs), "--seed", str(seed), "--chaos-report", str(tmp_path / "chaos.json"),
         "--", sys.executable, str(ROOT / "examples" / example.script), *example.args,
     ]  # fmt: skip
-    done = run_job(command, cwd=tmp_path, timeout=840, env=env)
+    done = run_job(command, cwd=tmp_path, timeout=limit - 30, env=env)
     summary = [
         line for line in done.stdout.splitlines() if line.startswith(("run", "reference", "chaos seed"))
     ]
