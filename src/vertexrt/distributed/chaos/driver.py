@@ -26,14 +26,8 @@ from typing import Any
 
 from vertexrt import audit
 from vertexrt.distributed.chaos import outputs, schedule
-from vertexrt.distributed.launcher import (
-    FaultNotice,
-    JobSpec,
-    Replica,
-    Supervisor,
-    port_count,
-    replica_environments,
-)
+from vertexrt.distributed.local_run.environments import JobSpec, Replica, port_count, replica_environments
+from vertexrt.distributed.local_run.supervisor import FaultNotice, Supervisor
 from vertexrt.errors import ConfigError
 
 
@@ -52,9 +46,10 @@ class AuditedFaults:
     """The launcher's :class:`FaultSource` for one run: audit variables per replica and attempt, each
     attempt's planned fault, and the notice once its ``fault`` line is written."""
 
-    def __init__(self, directory: Path, placed: schedule.Placed | None) -> None:
+    def __init__(self, directory: Path, placed: schedule.Placed | None, metric_file: Path) -> None:
         self.directory = directory
         self.placed = placed
+        self.metric_file = metric_file
         self._noticed: set[int] = set()
         self._offsets: dict[Path, int] = {}
 
@@ -67,6 +62,7 @@ class AuditedFaults:
             if fault is not None and fault.replica == replica.label:
                 plan.update(fault.plan)
         return {
+            "CLOUD_ML_HP_METRIC_FILE": str(self.metric_file),  # this run's, even when the shell sets one
             audit.DIRECTORY_VARIABLE: str(self.directory / f"attempt-{attempt}"),
             audit.REPLICA_VARIABLE: replica.label,
             audit.PLAN_VARIABLE: json.dumps(plan),
@@ -98,7 +94,13 @@ def events(directory: Path, replica: str) -> list[dict[str, Any]]:
         lines = path.read_text().splitlines()
     except OSError:
         return []
-    return [json.loads(line) for line in lines if line.strip()]
+    found = []
+    for line in lines:
+        try:
+            found.append(json.loads(line))
+        except ValueError:  # a line cut by a SIGKILL
+            continue
+    return found
 
 
 def profile(directory: Path, chief: str) -> schedule.Profile:
@@ -150,6 +152,9 @@ def certify(job: JobSpec, options: Options, out: Any = None) -> int:
     chief = training[0]
     _say(f"reference run (no faults) in {root / 'reference'}")
     reference = _run(job, root / "reference", None, options.grace)
+    if reference.attempts[-1].outcome == "interrupted":
+        _say("interrupted: no certificate")
+        return reference.attempts[-1].code
     ref = _outcome("reference", reference, root / "reference", chief, None, schedule.Profile(0))
     ref_profile = profile(root / "reference" / "audit", chief)
     ref.steps = ref_profile.steps
@@ -170,6 +175,9 @@ def certify(job: JobSpec, options: Options, out: Any = None) -> int:
             name = f"run-{i}"
             _say(f"{name}: {placed.describe()}")
             supervisor = _run(job, root / name, placed, options.grace)
+            if supervisor.attempts[-1].outcome == "interrupted":
+                _say("interrupted: no certificate")
+                return supervisor.attempts[-1].code
             result = _outcome(name, supervisor, root / name, chief, placed, ref_profile)
             _compare(result, ref, root / "reference", root / name, options.rtol)
             results.append(result)
@@ -190,7 +198,7 @@ def certify(job: JobSpec, options: Options, out: Any = None) -> int:
 def _run(job: JobSpec, directory: Path, placed: schedule.Placed | None, grace: float) -> Supervisor:
     shutil.rmtree(directory, ignore_errors=True)  # a rerun starts clean: no checkpoint of an earlier one
     run_job = dataclasses.replace(job, base_output_dir=str(directory), trial=None)
-    faults = AuditedFaults(directory / "audit", placed)
+    faults = AuditedFaults(directory / "audit", placed, directory / "hypertune" / "output.metrics")
     restarts = len(placed.faults) if placed is not None else 0
     supervisor = Supervisor(run_job, grace=grace, restarts=restarts, faults=faults)
     supervisor.run()
