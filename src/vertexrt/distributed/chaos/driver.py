@@ -239,7 +239,8 @@ def _outcome(
             result.landed.append(f"never landed (attempt {number} ended at step {last_step})")
             continue
         result.landed.append(_where(landed[0], ref) + ("" if fault.everyone else f" on {fault.replica}"))
-        result.latency.append(_latency(landed[0], seen, fault.signal))
+        own = events(attempt_dir, fault.replica)  # a replica that checkpoints on its own commits there
+        result.latency.append(_latency(landed[0], own if _commits(own) else seen, fault.signal))
     result.steps = last_step
     return result
 
@@ -259,11 +260,15 @@ def _where(fault: dict[str, Any], ref: schedule.Profile) -> str:
 def _latency(fault: dict[str, Any], seen: list[dict[str, Any]], signal: str) -> str:
     if signal == "SIGKILL":
         return "-"
-    commits = [e for e in seen if e["event"] == "commit" and e["step"] >= fault["step"]]
+    commits = [e for e in _commits(seen) if e["step"] >= fault["step"]]
     if not commits:
         return "no save committed after the notice"
     commit = commits[0]
     return f"{commit['time'] - fault['time']:.2f}s, {commit['step'] - fault['step']} steps"
+
+
+def _commits(seen: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in seen if e["event"] == "commit"]
 
 
 def _compare(result: Outcome, ref: Outcome, ref_dir: Path, run_dir: Path, rtol: float | None) -> None:
