@@ -263,7 +263,7 @@ def _latency(fault: dict[str, Any], seen: list[dict[str, Any]], signal: str) -> 
     commits = [e for e in _commits(seen) if e["step"] >= fault["step"]]
     if not commits:
         return "no save committed after the notice"
-    commit = commits[0]
+    commit = commits[-1]  # the save the attempt ended with: the preemption save
     return f"{commit['time'] - fault['time']:.2f}s, {commit['step'] - fault['step']} steps"
 
 
