@@ -108,3 +108,19 @@ def test_a_script_that_forgets_its_optimizer_state_is_named(local_run, tmp_path:
     assert "model files differ: model.json" in run.output
     assert "the optimizer state, the RNG or the data position was not restored?" in run.output
     assert "chaos seed 1: 3 of 3 faulted runs differ from the reference" in run.output
+
+
+def test_chaos_refuses_options_that_place_their_own_faults_or_remote_outputs(capsys) -> None:
+    from vertexrt.distributed.launcher import main
+
+    assert main(["--chaos", "2", "--preempt-after", "5", "--", "python", "-c", "pass"]) == 2
+    assert "--chaos places its own faults" in capsys.readouterr().err
+    assert main(["--chaos", "2", "--base-output-dir", "gs://b/run", "--", "python", "-c", "pass"]) == 2
+    assert "give a local directory" in capsys.readouterr().err
+
+
+def test_a_reference_that_reports_no_steps_gives_no_certificate(local_run, tmp_path: Path) -> None:
+    run = local_run("--chaos", "2", "--", "python", "-c", "print('no steps here')", timeout=60)
+    assert run.returncode == 1, run.output
+    assert "reported 0 step(s) to vertexrt's step hooks" in run.output
+    assert "no certificate" in run.output
