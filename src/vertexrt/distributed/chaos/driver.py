@@ -281,7 +281,11 @@ def _compare(result: Outcome, ref: Outcome, ref_dir: Path, run_dir: Path, rtol: 
         result.differences.append("model files " + files.describe())
         result.hints.append(f"the model differs from the reference {after}: " + _forgotten(result))
     report, ref_report = (outputs.last_report(d / "hypertune" / "output.metrics") for d in (run_dir, ref_dir))
-    if report != ref_report:
+    if report != ref_report and (report is None or ref_report is None):
+        result.differences.append(
+            "no hypertune report" if report is None else f"a hypertune report {report} (reference: none)"
+        )
+    elif report != ref_report:
         mine, theirs = report or {}, ref_report or {}
         keys = sorted(k for k in {*mine, *theirs} if mine.get(k) != theirs.get(k))
         shown = ", ".join(f"{k} {mine.get(k)} (reference {theirs.get(k)})" for k in keys)
