@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINTED := src tests examples benchmarks scripts
 
-.PHONY: demo test check install lint clean
+.PHONY: demo test check certify install lint clean
 
 $(STAMP): pyproject.toml constraints/test.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,11 @@ lint: install
 
 test: lint
 	$(BIN)/pytest -q -p no:cacheprovider
+
+# The seeded fault certificate (`local-run --chaos`) over every certified example, with more seeds and
+# runs than `make test` (11 runs cover every fault kind).
+certify: install
+	VERTEXRT_CERTIFY_SEEDS=1,2,3 VERTEXRT_CERTIFY_RUNS=11 $(BIN)/pytest -q -p no:cacheprovider tests/test_certify.py
 
 check: lint
 	$(BIN)/pytest -q -p no:cacheprovider -m "not slow"

@@ -116,6 +116,7 @@ def main(ctx: vertexrt.Context, args: argparse.Namespace) -> None:
             state["w"] = [w - args.lr * error * x for w, x in zip(state["w"], record["x"], strict=True)]
             state["b"] -= args.lr * error
             state["step"] += 1
+            ctx.step(state["step"])  # the hang watchdog and `local-run --chaos` count steps here
             if args.step_delay:
                 time.sleep(args.step_delay)
             if ctx.should_stop():  # SIGTERM: save now; @main then exits 143 and the job restarts

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple
 
 import tensorflow as tf
 
-from vertexrt import hypertune
+from vertexrt import audit, hypertune
 from vertexrt.errors import CheckpointError, ConfigError, DataError
 from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE, Subscription, preemption_signal
 from vertexrt.runtime.vote import StopVote
@@ -365,6 +365,7 @@ class CheckpointCallback(_Tracked):
         self._save(logs, force=False)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        audit.event("epoch_end", step=self.position.step, epoch=epoch)  # for `local-run --chaos`
         if self.save_at_epoch_end:
             self._save(logs, force=True)
 

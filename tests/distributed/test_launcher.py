@@ -14,8 +14,8 @@ from vertexrt.distributed import cluster
 from vertexrt.distributed.launcher import (
     DATA_VARIABLES,
     JobSpec,
-    _data_variables,
     add_arguments,
+    data_variables,
     main,
     port_count,
     replica_environments,
@@ -198,7 +198,7 @@ def test_managed_dataset_flags_and_the_shell_reach_every_replica(tmp_path, capsy
     add_arguments(args)
     parsed = args.parse_args(["--training-data", "gs://b/train-*.jsonl", "--data-format", "jsonl", "--", "x"])
     shell = {"AIP_VALIDATION_DATA_URI": "gs://b/val.jsonl", "AIP_TRAINING_DATA_URI": "gs://stale/"}
-    data = _data_variables(parsed, shell)
+    data = data_variables(parsed, shell)
     assert data == {
         "AIP_TRAINING_DATA_URI": "gs://b/train-*.jsonl",  # the flag wins over the shell
         "AIP_VALIDATION_DATA_URI": "gs://b/val.jsonl",

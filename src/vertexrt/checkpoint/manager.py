@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
+from vertexrt import audit
 from vertexrt.checkpoint import collective, datafiles, dcp, restoring, serialization, sharded, storage
 from vertexrt.checkpoint import manifest as fmt
 from vertexrt.checkpoint.decision import SaveDecision
@@ -184,6 +185,7 @@ class CheckpointManager:
         if step is None:  # the newest step: a resume (the Trainer and Lightning name their step and log)
             log_resuming(self.directory, loaded.step)
         self.restored_step = loaded.step
+        audit.event("resume", step=loaded.step)
         self._last = (loaded.step, None)
         return result
 
@@ -252,6 +254,7 @@ class CheckpointManager:
         encoded = [enc for _, enc in leaves]
         buffers = self._stager().stage(encoded, copy_host=False) if blocking else self._snapshot(encoded)
         args = (step, tree, nodes, buffers, clean_metrics, token, shard, overwrite)
+        audit.event("save", step=step, asynchronous=not blocking)
         if blocking:
             self._write(*args)
         else:
@@ -451,6 +454,7 @@ class CheckpointManager:
             log.info(
                 "checkpoint step %d committed in %s (later commits are logged at DEBUG)", step, self.directory
             )
+        audit.event("commit", step=step)
         if self.rank == 0:
             if self._deleter is None:
                 self._deleter = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-retention")

@@ -32,7 +32,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from vertexrt import paths
+from vertexrt import audit, paths
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.errors import ConfigError
 
@@ -224,6 +224,7 @@ class VertexTrainerCallback(TrainerCallback):
         self._stopping = False
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        audit.step(state.global_step)  # `local-run --chaos` counts steps and places faults here
         if self._preemption is None or not self._preemption():
             return
         log.warning("preemption notice: saving checkpoint-%d, then exiting", state.global_step)

@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from vertexrt import audit
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.distributed.model import Cluster
 from vertexrt.distributed.torch import destroy_at_exit
@@ -269,6 +270,7 @@ class VertexCallback(Callback):
         self._preemption = PreemptionAgreement()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        audit.step(trainer.global_step)  # `local-run --chaos` counts steps and places faults here
         if self._preemption is None or not self._preemption():
             return
         from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE
@@ -279,6 +281,9 @@ class VertexCallback(Callback):
         self.checkpoint_io.wait()
         self._release()
         raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        audit.event("epoch_end", step=trainer.global_step, epoch=trainer.current_epoch)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is None or trainer.sanity_checking or not trainer.is_global_zero:

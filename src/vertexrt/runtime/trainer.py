@@ -70,6 +70,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from vertexrt import audit
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, DataError
 from vertexrt.phases import long_phase
@@ -575,6 +576,7 @@ class Trainer(StateTracker):
             if save(loop.step, tree, loop.eval_metrics, shard=shard):  # when the save policy says so
                 self._saved = loop.state_dict()
         steps_in_epoch = loop.batch_in_epoch
+        audit.event("epoch_end", step=loop.step, epoch=loop.epoch)
         loop.epoch += 1
         loop.batch_in_epoch = 0
         if progress.total_steps is None and self.max_steps is None:
@@ -587,12 +589,14 @@ class Trainer(StateTracker):
             return
         self._loop.eval_pending = True  # saved only if preempted inside evaluate(): redone on resume
         self._eval_batches = 0
+        audit.event("eval", step=self._loop.step)
         with long_phase("evaluation"):  # not a hang, however long, nor is waiting for a slower rank's
             try:
                 returned = self.evaluate()
                 counted = self._eval_batches
             finally:
                 self._eval_batches = None
+                audit.event("eval_end", step=self._loop.step)
             metrics = self._average(_weighted(returned, counted or 1))
         self._loop.eval_pending = False
         self._loop.last_eval_step = self.step

@@ -39,6 +39,7 @@ import threading
 import time
 from types import TracebackType
 
+from vertexrt import audit
 from vertexrt.errors import ConfigError
 from vertexrt.phases import current_phase
 
@@ -122,6 +123,7 @@ class HangWatchdog:
         if step is not None:
             self._step = step
             self._last = time.monotonic()
+            audit.step(step)
         elif self._last is not None:
             self._last = time.monotonic()
 

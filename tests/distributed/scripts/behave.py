@@ -10,6 +10,26 @@ from pathlib import Path
 mode = sys.argv[1]
 if mode == "preempt":  # before anything slow, so the launcher's SIGTERM always finds the handler
     signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM, saving", flush=True), sys.exit(143)))
+elif mode == "finish_on_notice":
+    signal.signal(signal.SIGTERM, lambda *_: (print("notice: finishing, exit 0", flush=True), sys.exit(0)))
+elif mode == "notice_with_child":
+    import subprocess
+
+    child = None
+
+    def check_child(*_: object) -> None:
+        """A container runtime signals PID 1 only: a child in the replica's process group (a DataLoader
+        worker) must still be alive when the main process handles the notice."""
+        try:
+            child.wait(timeout=2)  # type: ignore[union-attr]
+            print(f"child died with {child.returncode}", flush=True)  # type: ignore[union-attr]
+        except subprocess.TimeoutExpired:
+            print("child alive after the notice", flush=True)
+            child.kill()  # type: ignore[union-attr]
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, check_child)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
 from vertexrt.distributed import cluster  # noqa: E402
 
@@ -70,6 +90,17 @@ elif mode == "preempt":
         print("waiting to be preempted", flush=True)
         time.sleep(60)
     print("RESULT " + json.dumps({"attempt": count}), flush=True)
+elif mode == "finish_on_notice":
+    attempts = shared / f"{name}.attempts"
+    with attempts.open("a") as f:
+        f.write("x")
+    if len(attempts.read_text()) == 1:
+        print("waiting for the notice", flush=True)
+        time.sleep(60)
+    print("RESULT " + json.dumps({"attempt": len(attempts.read_text())}), flush=True)
+elif mode == "notice_with_child":
+    print("waiting to be preempted", flush=True)
+    time.sleep(60)
 elif mode == "sleep":
     print("sleeping", flush=True)
     time.sleep(60)

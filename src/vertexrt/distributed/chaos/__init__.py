@@ -1,0 +1,1 @@
+"""``vertexrt local-run --chaos``: the seeded fault certificate (schedule, outputs compared, driver)."""
