@@ -116,13 +116,19 @@ class _Counted(Iterator[int]):
 
 class ResumableLoader(StatefulDataLoader):  # type: ignore[misc]
     """torchdata's ``StatefulDataLoader`` whose state carries its sampler's epoch: loading a state selects
-    that epoch at once, so a loop that restores the epoch itself and calls ``set_epoch`` (Lightning, the HF
-    Trainer) moves on from a state saved on an epoch's last batch instead of replaying an empty epoch, and a
-    loop that does not (``vertexrt.Trainer`` mid-epoch) continues the saved one. Made by
-    :func:`resumable_loader`."""
+    that epoch at once, so a loop that does not call ``set_epoch`` mid-epoch (``vertexrt.Trainer``) continues
+    the saved one, and a state saved on an epoch's last batch resumes at the next epoch's start instead of an
+    empty epoch. Made by :func:`resumable_loader`."""
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": int(getattr(self.sampler, "epoch", 0)), "loader": super().state_dict()}
+        """``{"epoch", "loader"}``; once every batch of the epoch was handed out, the start of the next epoch
+        (a loop restoring it knows the epoch ended: Lightning creates, and with workers fills, the resumed
+        iterator before it calls ``set_epoch``)."""
+        epoch = int(getattr(self.sampler, "epoch", 0))
+        # torch's DataLoader iterators count the batches they handed out in `_num_yielded`
+        if getattr(self._iterator, "_num_yielded", 0) >= len(self):
+            return {"epoch": epoch + 1, "loader": {}}
+        return {"epoch": epoch, "loader": super().state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or not isinstance(state.get("epoch"), int) or "loader" not in state:

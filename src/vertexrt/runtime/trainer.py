@@ -540,6 +540,9 @@ class Trainer(StateTracker):
     def _train_epoch(self, data: Iterable[Any], progress: Progress) -> None:
         loop = self._loop
         skip = 0
+        if loop.batch_in_epoch and loop.batch_in_epoch == _length(data):
+            self._end_epoch()  # saved on the epoch's last batch: go on to the next one
+            return
         if loop.batch_in_epoch == 0:
             _set_epoch(data, loop.epoch)
         elif _cursor_of(data) is None or self._replay:
@@ -576,12 +579,15 @@ class Trainer(StateTracker):
                 self._evaluate()
             if save(loop.step, tree, loop.eval_metrics, shard=shard):  # when the save policy says so
                 self._saved = loop.state_dict()
-        steps_in_epoch = loop.batch_in_epoch
+        if progress.total_steps is None and self.max_steps is None:
+            progress.set_total(self.max_epochs * loop.batch_in_epoch)
+        self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        loop = self._loop
         loop.epoch += 1
         loop.batch_in_epoch = 0
-        if progress.total_steps is None and self.max_steps is None:
-            progress.set_total(self.max_epochs * steps_in_epoch)
-        if eval_every is None and self.has_evaluate() and loop.last_eval_step != loop.step:
+        if self.eval_every is None and self.has_evaluate() and loop.last_eval_step != loop.step:
             self._evaluate()
 
     def _evaluate(self) -> None:
