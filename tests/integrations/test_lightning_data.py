@@ -54,7 +54,9 @@ class Preempt(pl.Callback):
             raise SystemExit(143)
 
 
-def fit(loader: Any, key: Callable[[Any], list[int]], ckpt: Path, stop: int | None = None) -> tuple[Recorder, int]:
+def fit(
+    loader: Any, key: Callable[[Any], list[int]], ckpt: Path, stop: int | None = None
+) -> tuple[Recorder, int]:
     model = Recorder(key)
     trainer = pl.Trainer(
         max_epochs=EPOCHS,
@@ -90,7 +92,9 @@ def record_ids(batch: Any) -> list[int]:
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_resumable_loader_resumes_mid_epoch_and_after_the_last_batch_of_an_epoch(tmp_path: Path, workers: int) -> None:
+def test_resumable_loader_resumes_mid_epoch_and_after_the_last_batch_of_an_epoch(
+    tmp_path: Path, workers: int
+) -> None:
     dataset = torch.utils.data.TensorDataset(torch.arange(64))
 
     def make() -> Any:
@@ -141,7 +145,10 @@ def test_loaders_that_cannot_resume_exactly_are_named_with_the_fix(caplog: pytes
     assert "no state_dict" in (resume_problem(ordered, restores_state_only=True) or "")
     stateful = StatefulDataLoader(data, batch_size=2, shuffle=True)
     assert "empty next epoch" in (resume_problem(stateful, restores_state_only=True) or "")
-    assert resume_problem(resumable_loader(data, batch_size=2, rank=0, world_size=1), restores_state_only=True) is None
+    assert (
+        resume_problem(resumable_loader(data, batch_size=2, rank=0, world_size=1), restores_state_only=True)
+        is None
+    )
 
     class Trainer:  # what the callback reads at on_train_start
         train_dataloader = shuffled
@@ -155,10 +162,44 @@ def test_loaders_that_cannot_resume_exactly_are_named_with_the_fix(caplog: pytes
 def test_resumable_loader_state_is_json_and_rejects_a_foreign_state() -> None:
     from vertexrt.errors import ConfigError
 
-    loader = resumable_loader(torch.utils.data.TensorDataset(torch.arange(10)), batch_size=2, rank=1, world_size=2)
+    loader = resumable_loader(
+        torch.utils.data.TensorDataset(torch.arange(10)), batch_size=2, rank=1, world_size=2
+    )
     it = iter(loader)
     next(it)
     state = json.loads(json.dumps(loader.state_dict()))
     assert state["epoch"] == 0
     with pytest.raises(ConfigError, match="not a state this loader saved"):
         loader.load_state_dict({"yielded": 3})
+
+
+def test_trainer_warns_about_a_shuffled_plain_dataloader(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vertexrt
+    from vertexrt.runtime.context import Context
+
+    class Shuffled(vertexrt.Trainer):
+        def setup(self) -> None:
+            self.model = torch.nn.Linear(1, 1)
+            data = torch.utils.data.TensorDataset(torch.arange(4.0).unsqueeze(1))
+            self.train_data = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+
+        def train_step(self, batch: Any) -> dict[str, float]:
+            return {}
+
+        def export(self, model_dir: str) -> None:
+            pass
+
+    for name in ("AIP_CHECKPOINT_DIR", "AIP_MODEL_DIR", "AIP_TENSORBOARD_LOG_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name))
+    ctx = Context.create()
+    try:
+        with caplog.at_level(logging.WARNING, logger="vertexrt.data.resume_check"):
+            Shuffled(ctx, max_epochs=1, tensorboard=False, preflight=False).fit()
+    finally:
+        ctx.close()
+    assert (
+        "Shuffled.train_data: the training loader (torch.utils.data.dataloader.DataLoader) shuffles"
+        in caplog.text
+    )

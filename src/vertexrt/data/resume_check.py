@@ -45,7 +45,9 @@ def resume_problem(loader: Any, *, restores_state_only: bool = False) -> str | N
     sampler = loader.sampler
     if isinstance(loader, ResumableLoader) and isinstance(sampler, ResumableSampler):
         return None
-    stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    stateful = callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
         if stateful or callable(getattr(loader.dataset, "state_dict", None)):
             return None

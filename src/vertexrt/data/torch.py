@@ -279,7 +279,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                 self._reader_cursors[reader] = cursor
             if self._handed is not None:
                 self._handed += 1
-            if self._handed == last:
+            if last is not None and self._handed == last:
                 self.set_epoch(epoch + 1)
                 yield batch
                 return

@@ -313,6 +313,9 @@ class Trainer(StateTracker):
         self.setup()
         data = self._train_data()
         self._check_equalized(data)
+        from vertexrt.data.resume_check import warn_if_inexact
+
+        warn_if_inexact(data, f"{type(self).__name__}.train_data")
         if self._sharded and self.ddp:
             self._wrap_modules()
         full = self.state()
