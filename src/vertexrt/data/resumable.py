@@ -1,4 +1,4 @@
-"""Map-style datasets that resume exactly: torchdata's ``StatefulDataLoader`` over a :class:`ResumableSampler`.
+"""Map-style datasets that resume exactly: torchdata's ``StatefulDataLoader`` over a ``ResumableSampler``.
 
 :func:`resumable_loader` is the one entry point. Its state (``state_dict()``) names the epoch and the
 position in it; ``vertexrt.Trainer`` saves it with each checkpoint, Lightning's fit loop saves it (the

@@ -211,11 +211,6 @@ class VertexTrainerCallback(TrainerCallback):
             )
         from vertexrt.runtime.vote import PreemptionAgreement
 
-        if args.ignore_data_skip:
-            log.warning(
-                "VertexTrainerCallback: TrainingArguments(ignore_data_skip=True): a resume mid-epoch trains on "
-                "the epoch's first batches again. A preemption will not resume exactly; leave it False"
-            )
         self._preemption = PreemptionAgreement()
         self._stopping = False
 
