@@ -18,9 +18,11 @@ pytest.importorskip("torchdata", reason="torchdata (the torch extra) is not inst
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
+import vertexrt  # noqa: E402
 from vertexrt.data import open_dataset, resumable_loader  # noqa: E402
 from vertexrt.data.resume_check import resume_problem  # noqa: E402
 from vertexrt.data.torch import DataLoader as StreamingLoader  # noqa: E402
+from vertexrt.runtime.context import Context  # noqa: E402
 
 EPOCHS = 3
 
@@ -176,9 +178,6 @@ def test_resumable_loader_state_is_json_and_rejects_a_foreign_state() -> None:
 def test_trainer_warns_about_a_shuffled_plain_dataloader(
     caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import vertexrt
-    from vertexrt.runtime.context import Context
-
     class Shuffled(vertexrt.Trainer):
         def setup(self) -> None:
             self.model = torch.nn.Linear(1, 1)
@@ -203,3 +202,44 @@ def test_trainer_warns_about_a_shuffled_plain_dataloader(
         "Shuffled.train_data: the training loader (torch.utils.data.dataloader.DataLoader) shuffles"
         in caplog.text
     )
+
+
+class Recording(vertexrt.Trainer):
+    """Trains on ``resumable_loader`` batches, recording ``(epoch, ids)`` into ``seen``."""
+
+    def __init__(self, seen: list[tuple[int, list[int]]], **options: Any) -> None:
+        super().__init__(Context.create(), tensorboard=False, preflight=False, **options)
+        self.seen = seen
+
+    def setup(self) -> None:
+        self.model = torch.nn.Linear(1, 1)
+        dataset = torch.utils.data.TensorDataset(torch.arange(64))
+        self.train_data = resumable_loader(dataset, batch_size=8, seed=3, rank=0, world_size=1)
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        self.seen.append((self.epoch, tensor_ids(batch)))
+        return {}
+
+    def export(self, model_dir: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stop", [12, 16])  # mid-epoch 1; the last batch of epoch 1
+def test_vertexrt_trainer_resumes_a_resumable_loader_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: int
+) -> None:
+    for name in ("AIP_MODEL_DIR", "AIP_TENSORBOARD_LOG_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / name))
+    monkeypatch.setenv("AIP_CHECKPOINT_DIR", str(tmp_path / "reference"))
+    reference: list[tuple[int, list[int]]] = []
+    Recording(reference, max_epochs=EPOCHS).fit()
+    assert len(reference) == 24 and [e for e, _ in reference] == [0] * 8 + [1] * 8 + [2] * 8
+    monkeypatch.setenv("AIP_CHECKPOINT_DIR", str(tmp_path / "stopped"))
+    seen: list[tuple[int, list[int]]] = []
+    first = Recording(seen, max_epochs=EPOCHS, max_steps=stop)  # its last step is saved, as a preemption's
+    first.fit()
+    first.ctx.close()
+    second = Recording(seen, max_epochs=EPOCHS)
+    second.fit()
+    second.ctx.close()
+    assert second.step == 24 and seen == reference
