@@ -40,8 +40,9 @@ returned: ``evaluate()`` may return ``{"accuracy": (value, count)}`` (e.g. the e
 plain value is weighted by the batches it iterated through ``self.interruptible(...)`` (1 if none).
 
 The read position is exact when ``train_data`` is a vertexrt reader, a ``vertexrt.data.DataLoader``
-(any ``num_workers``) or a torch DataLoader over ``reader.as_torch()`` without worker processes; otherwise
-a resume replays the epoch and skips the batches already trained on.
+(any ``num_workers``), a ``vertexrt.data.resumable_loader(dataset, ...)`` over a map-style dataset, or a torch
+DataLoader over ``reader.as_torch()`` without worker processes; otherwise a resume replays the epoch and skips
+the batches already trained on, and ``fit()`` warns when that cannot be exact (a shuffled ``RandomSampler``).
 
 Example:
     >>> class MyTrainer(vertexrt.Trainer):
