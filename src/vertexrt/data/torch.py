@@ -321,8 +321,10 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._reader_cursors = {}
         self._cursors_epoch = self.data.epoch
         self._resumed_epoch = self.data.epoch
-        batches = state.get("batches")
-        self._resumed_batches = batches if isinstance(batches, int) and batches >= 0 else None
+        batches = state.get("batches")  # counted in the saved layout: valid only in the same one
+        readers = world * max(1, self.num_workers)
+        same = state.get("readers") in (None, readers) and state.get("world_size") in (None, world)
+        self._resumed_batches = batches if same and isinstance(batches, int) and batches >= 0 else None
 
 
 def _length_of(loader: DataLoader) -> int | None:
