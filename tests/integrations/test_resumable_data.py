@@ -111,7 +111,8 @@ def test_resumable_loader_resumes_mid_epoch_and_after_the_last_batch_of_an_epoch
         assert steps == 24 and seen == reference.seen, f"preempted at step {stop}"
 
 
-def test_vertexrt_dataloader_under_lightning_loses_no_batch_on_resume(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", [0, 2, "persistent"])
+def test_vertexrt_dataloader_under_lightning_loses_no_batch_on_resume(tmp_path: Path, workers: Any) -> None:
     for part, size in enumerate((23, 41, 30)):  # 94 records; equalized to 92, 23 batches of 4
         lines = (json.dumps({"id": 100 * part + i}) for i in range(size))
         (tmp_path / f"part-{part}.jsonl").write_text("\n".join(lines) + "\n")
@@ -119,7 +120,10 @@ def test_vertexrt_dataloader_under_lightning_loses_no_batch_on_resume(tmp_path: 
     def make() -> StreamingLoader:
         ds = open_dataset(f"{tmp_path}/part-*.jsonl", seed=5, rank=0, world_size=1, equalize="drop_remainder",
                           batch_size=4)  # fmt: skip
-        return StreamingLoader(ds, batch_size=4)
+        persistent = workers == "persistent"
+        return StreamingLoader(
+            ds, batch_size=4, num_workers=2 if persistent else workers, persistent_workers=persistent
+        )
 
     per_epoch = len(make())
     reference, steps = fit(make(), record_ids, tmp_path / "none.ckpt")
