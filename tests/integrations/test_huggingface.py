@@ -5,6 +5,7 @@ run, hypertune gets metric_for_best_model; and the example as a preempted 2-repl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -128,6 +129,17 @@ def test_preempted_on_an_epochs_last_batch_resumes_the_next_epoch_to_the_uninter
     assert resumed.state.global_step == 24 and resumed.state.epoch == 2
     expected, got = reference.model.state_dict(), resumed.model.state_dict()
     assert all(torch.equal(expected[k], got[k]) for k in expected)  # bitwise
+
+
+def test_ignore_data_skip_is_warned_about_when_training_starts(
+    job: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    vertex = VertexTrainerCallback(str(job / "out"))
+    args = TrainingArguments(**vertex.training_arguments(ignore_data_skip=True, report_to="none"))
+    with caplog.at_level(logging.WARNING, logger="vertexrt.integrations.huggingface"):
+        vertex.on_train_begin(args, None, None)
+    vertex.on_train_end(args, None, None)
+    assert "TrainingArguments(ignore_data_skip=True)" in caplog.text and "leave it False" in caplog.text
 
 
 def test_resume_skips_a_step_without_a_valid_marker(job: Path, storage_root: str) -> None:
