@@ -247,3 +247,19 @@ def test_vertexrt_trainer_resumes_a_resumable_loader_exactly(
     second.fit()
     second.ctx.close()
     assert second.step == 24 and seen == reference
+
+
+def test_a_state_taken_after_an_epoch_ended_names_the_next_epoch_once() -> None:
+    loader = resumable_loader(
+        torch.utils.data.TensorDataset(torch.arange(8)), batch_size=2, rank=0, world_size=1
+    )
+    loader.sampler.set_epoch(4)
+    assert len(list(loader)) == 4
+    assert loader.state_dict() == {"epoch": 5, "loader": {}}
+    loader.sampler.set_epoch(5)  # the loop moved on before saving
+    assert loader.state_dict() == {"epoch": 5, "loader": {}}
+    again = resumable_loader(
+        torch.utils.data.TensorDataset(torch.arange(8)), batch_size=2, rank=0, world_size=1
+    )
+    again.load_state_dict(loader.state_dict())
+    assert again.sampler.epoch == 5 and len(list(again)) == 4

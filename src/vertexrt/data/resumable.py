@@ -62,6 +62,7 @@ class ResumableSampler(torch.utils.data.DistributedSampler):  # type: ignore[typ
             drop_last=drop_last,
         )
         self.yielded = 0
+        self.started_epoch: int | None = None  # the epoch whose indices were handed out last
         self._resume: tuple[int, int] | None = None
 
     def set_epoch(self, epoch: int) -> None:
@@ -75,6 +76,7 @@ class ResumableSampler(torch.utils.data.DistributedSampler):  # type: ignore[typ
     def _start(self) -> list[int]:
         """This epoch's indices from the resume position (consumed), at the first index asked for."""
         indices = list(super().__iter__())
+        self.started_epoch = self.epoch
         start = 0
         if self._resume is not None:
             epoch, yielded = self._resume
@@ -126,8 +128,9 @@ class ResumableLoader(StatefulDataLoader):  # type: ignore[misc]
         iterator before it calls ``set_epoch``)."""
         epoch = int(getattr(self.sampler, "epoch", 0))
         # torch's DataLoader iterators count the batches they handed out in `_num_yielded`
-        if getattr(self._iterator, "_num_yielded", 0) >= len(self):
-            return {"epoch": epoch + 1, "loader": {}}
+        ended = getattr(self.sampler, "started_epoch", None)
+        if ended is not None and 0 < len(self) <= getattr(self._iterator, "_num_yielded", 0):
+            return {"epoch": ended + 1, "loader": {}}  # also when the loop already called set_epoch(next)
         return {"epoch": epoch, "loader": super().state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
