@@ -137,7 +137,10 @@ def test_vertexrt_dataloader_under_lightning_loses_no_batch_on_resume(tmp_path: 
             assert got == want and max(got.values()) == 1, f"epoch {epoch}, preempted at step {stop}"
 
 
-def test_loaders_that_cannot_resume_exactly_are_named_with_the_fix(caplog: pytest.LogCaptureFixture) -> None:
+def test_loaders_that_cannot_resume_exactly_are_named_with_the_fix(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"id": i}) + "\n" for i in range(5)))
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from vertexrt.integrations.lightning import VertexCallback
@@ -155,6 +158,13 @@ def test_loaders_that_cannot_resume_exactly_are_named_with_the_fix(caplog: pytes
         resume_problem(resumable_loader(data, batch_size=2, rank=0, world_size=1), restores_state_only=True)
         is None
     )
+
+    reader = open_dataset(str(tmp_path / "*.jsonl"), equalize="off", rank=0, world_size=1)
+    assert "no len()" in (resume_problem(reader, restores_state_only=True) or "")
+    assert "no len()" in (
+        resume_problem(StreamingLoader(reader, batch_size=2), restores_state_only=True) or ""
+    )
+    assert resume_problem(StreamingLoader(reader, batch_size=2)) is None  # vertexrt.Trainer: no read-ahead
 
     class Trainer:  # what the callback reads at on_train_start
         train_dataloader = shuffled

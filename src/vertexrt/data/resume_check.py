@@ -24,30 +24,28 @@ def resume_problem(loader: Any, *, restores_state_only: bool = False) -> str | N
             calls ``set_epoch`` before loading it takes effect (Lightning). Otherwise (``vertexrt.Trainer``)
             a loader without state has its epoch's order replayed and the batches already seen skipped.
     """
+    stateful = callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+    if restores_state_only and stateful and _length(loader) is None:
+        return (
+            f"{_name(loader)} saves a position but has no len(): Lightning then reads one batch ahead of "
+            "training, so the saved position skips that batch; for a vertexrt reader open it with "
+            "equalize='drop_remainder' and read it through vertexrt.data.DataLoader"
+        )
     if "torch" not in sys.modules:
         return None
     import torch.utils.data
 
     from vertexrt.data.torch import DataLoader as StreamingLoader
 
-    if isinstance(loader, StreamingLoader):
-        if restores_state_only and _length(loader) is None:
-            return (
-                f"{_name(loader)} reads a dataset without equalize, so it has no len(): Lightning then reads "
-                "one batch ahead of training and the saved position skips that batch; open the dataset with "
-                "equalize='drop_remainder'"
-            )
+    if isinstance(loader, StreamingLoader) or not isinstance(loader, torch.utils.data.DataLoader):
         return None
-    if not isinstance(loader, torch.utils.data.DataLoader):
-        return None
-    from vertexrt.data.resumable import ResumableLoader, ResumableSampler
-
     sampler = loader.sampler
-    if isinstance(loader, ResumableLoader) and isinstance(sampler, ResumableSampler):
+    resumable = sys.modules.get("vertexrt.data.resumable")  # not imported: no loader of it (nor torchdata)
+    ours = resumable is not None and isinstance(loader, resumable.ResumableLoader)
+    if ours and isinstance(sampler, resumable.ResumableSampler):  # type: ignore[union-attr]
         return None
-    stateful = callable(getattr(loader, "state_dict", None)) and callable(
-        getattr(loader, "load_state_dict", None)
-    )
     if isinstance(loader.dataset, torch.utils.data.IterableDataset):
         if stateful or callable(getattr(loader.dataset, "state_dict", None)):
             return None
@@ -86,7 +84,7 @@ def warn_if_inexact(loader: Any, where: str, *, restores_state_only: bool = Fals
 def _length(loader: Any) -> int | None:
     try:
         return len(loader)
-    except TypeError:
+    except (TypeError, NotImplementedError):
         return None
 
 
