@@ -1,7 +1,9 @@
 """A Lightning classifier on Vertex AI: DDP over the job's replicas, preemption-safe, resumable mid-epoch.
 
-The three vertexrt lines: ``VertexCallback(...)``, ``plugins=vertex.plugins()`` + ``callbacks=[vertex]``,
-and ``ckpt_path=vertex.ckpt_path()``. Try it as a preempted 2-replica job:
+The vertexrt lines: ``VertexCallback(...)``, ``plugins=vertex.plugins()`` + ``callbacks=[vertex]``,
+``ckpt_path=vertex.ckpt_path()``, and ``vertexrt.data.resumable_loader(...)`` for the training data (a
+resume continues at the next unseen batch of the epoch Lightning restores). Try it as a preempted
+2-replica job:
 
     vertexrt local-run --workers 2 --preempt-after 20 -- python examples/lightning_classifier.py
 """
@@ -11,13 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
 from vertexrt import paths
+from vertexrt.data import resumable_loader
 from vertexrt.distributed import cluster
 from vertexrt.env import environment
 from vertexrt.integrations.lightning import VertexCallback
@@ -31,35 +33,6 @@ def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(SAMPLES, FEATURES, generator=g)
     y = (x @ torch.randn(FEATURES, CLASSES, generator=g)).argmax(dim=1)
     return x, y
-
-
-class ResumableBatches:
-    """This rank's shard in batches, reshuffled per epoch; ``state_dict()`` names the next unseen batch."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, rank: int, world_size: int) -> None:
-        self.x, self.y = x[rank::world_size], y[rank::world_size]
-        self.epoch, self.position = 0, 0
-        self._resume: int | None = None
-
-    def __len__(self) -> int:
-        return len(self.x) // BATCH
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self._resume is None and self.position >= len(self):
-            self.epoch, self.position = self.epoch + 1, 0  # the previous epoch ran to its end
-        start, self._resume = self._resume or 0, None
-        order = torch.randperm(len(self.x), generator=torch.Generator().manual_seed(self.epoch))
-        for i in range(start, len(self)):
-            self.position = i + 1  # handed out: Lightning trains on it before asking for the next one
-            idx = order[i * BATCH : (i + 1) * BATCH]
-            yield self.x[idx], self.y[idx]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._resume = self.position
 
 
 class Classifier(pl.LightningModule):
@@ -115,7 +88,10 @@ def main() -> None:
         enable_model_summary=False,
         default_root_dir=env.checkpoint_dir,
     )
-    trainer.fit(model, ResumableBatches(x, y, c.rank, c.world_size), val, ckpt_path=resume)
+    # this rank's share, reshuffled each epoch (Lightning sets it); Lightning saves the position with each
+    # checkpoint and the resume continues at the next unseen batch
+    train = resumable_loader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True, seed=0)
+    trainer.fit(model, train, val, ckpt_path=resume)
     if trainer.is_global_zero:
         with paths.open(paths.join(env.model_dir, "model.pt"), "wb") as f:
             torch.save(model.state_dict(), f)

@@ -5,6 +5,7 @@ run, hypertune gets metric_for_best_model; and the example as a preempted 2-repl
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -64,10 +65,12 @@ class SigtermAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def train(vertex: VertexTrainerCallback, *extra: TrainerCallback, resume: str | None = None) -> Trainer:
+def train(
+    vertex: VertexTrainerCallback, *extra: TrainerCallback, resume: str | None = None, max_steps: int = 12
+) -> Trainer:
     args = TrainingArguments(
         **vertex.training_arguments(
-            max_steps=12, per_device_train_batch_size=8, save_steps=4, save_total_limit=2, seed=0,
+            max_steps=max_steps, per_device_train_batch_size=8, save_steps=4, save_total_limit=2, seed=0,
             data_seed=0, dataloader_num_workers=0, report_to="none", disable_tqdm=True, learning_rate=1e-2,
             eval_strategy="steps", eval_steps=6, metric_for_best_model="loss",
         )
@@ -111,6 +114,32 @@ def test_preempted_run_commits_exits_143_and_resumes_to_the_uninterrupted_weight
     expected, got = reference.model.state_dict(), resumed.model.state_dict()
     assert all(torch.equal(expected[k], got[k]) for k in expected)  # bitwise
     assert second.complete_steps() == [8, 12]  # save_total_limit=2 applies to output_dir too (remote or not)
+
+
+def test_preempted_on_an_epochs_last_batch_resumes_the_next_epoch_to_the_uninterrupted_weights(
+    job: Path,
+) -> None:
+    reference = train(VertexTrainerCallback(str(job / "reference")), max_steps=24)  # 2 epochs of 12 batches
+    first = VertexTrainerCallback(str(job / "preempted"))
+    with pytest.raises(SystemExit):
+        train(first, SigtermAt(12), max_steps=24)  # the notice at the last batch of epoch 0
+    assert first.complete_steps() == [8, 12]
+    second = VertexTrainerCallback(str(job / "preempted"))
+    resumed = train(second, resume=second.resume_from_checkpoint(), max_steps=24)
+    assert resumed.state.global_step == 24 and resumed.state.epoch == 2
+    expected, got = reference.model.state_dict(), resumed.model.state_dict()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)  # bitwise
+
+
+def test_ignore_data_skip_is_warned_about_when_training_starts(
+    job: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    vertex = VertexTrainerCallback(str(job / "out"))
+    args = TrainingArguments(**vertex.training_arguments(ignore_data_skip=True, report_to="none"))
+    with caplog.at_level(logging.WARNING, logger="vertexrt.integrations.huggingface"):
+        vertex.on_train_begin(args, None, None)
+    vertex.on_train_end(args, None, None)
+    assert "TrainingArguments(ignore_data_skip=True)" in caplog.text and "leave it False" in caplog.text
 
 
 def test_resume_skips_a_step_without_a_valid_marker(job: Path, storage_root: str) -> None:

@@ -106,25 +106,32 @@ def local_run(
 
 
 @pytest.mark.slow
-def test_example_preempted_mid_epoch_resumes_to_the_same_weights(tmp_path: Path) -> None:
+def test_example_preempted_mid_epoch_or_on_an_epochs_last_batch_resumes_to_the_same_weights(
+    tmp_path: Path,
+) -> None:
     started = time.monotonic()
     reference = local_run(tmp_path, "reference", [], [])
     assert reference.returncode == 0, reference.stdout[-5000:]
+    assert "done: 48 steps" in reference.stdout, reference.stdout[-5000:]
     elapsed = time.monotonic() - started
     # rank 0 reported the monitored metric to hypertune after each epoch's validation
     reports = (tmp_path / "reference" / "hypertune" / "output.metrics").read_text().splitlines()
     assert [json.loads(line)["global_step"] for line in reports] == ["16", "32", "48"], reports
     assert all(float(json.loads(line)["val_loss"]) > 0 for line in reports), reports
-    # the first attempt holds at step 20 (epoch 1 of 3) until the SIGTERM
-    preempted = local_run(tmp_path, "preempted", ["--preempt-after", f"{elapsed + 5:.0f}", "--grace", "60"],
-                          ["--hold-at-step", "20"])  # fmt: skip
-    out = preempted.stdout
-    assert preempted.returncode == 0, out[-5000:]
-    assert "preemption notice: saving" in out and "restarting the whole job" in out, out[-5000:]
-    assert "resuming from" in out and "done: 48 steps" in out, out[-5000:]
     expected = torch.load(tmp_path / "reference" / "model" / "model.pt")
-    got = torch.load(tmp_path / "preempted" / "model" / "model.pt")
-    assert all(torch.equal(expected[k], got[k]) for k in expected)  # bitwise
+    # the first attempt holds in the training step after `hold` steps until the SIGTERM; the ranks agree and
+    # save a step or two later (22 seen for 20): mid-epoch 1, and the last batch of epoch 1 (16 per epoch)
+    for hold in (20, 30):
+        name = f"preempted-{hold}"
+        preempted = local_run(tmp_path, name, ["--preempt-after", f"{elapsed + 5:.0f}", "--grace", "60"],
+                              ["--hold-at-step", str(hold)])  # fmt: skip
+        out = preempted.stdout
+        assert preempted.returncode == 0, out[-5000:]
+        assert "preemption notice: saving" in out and "restarting the whole job" in out, out[-5000:]
+        assert f"resuming from {tmp_path / name / 'checkpoints'}/step_" in out, out[-5000:]
+        assert "done: 48 steps" in out, out[-5000:]
+        got = torch.load(tmp_path / name / "model" / "model.pt")
+        assert all(torch.equal(expected[k], got[k]) for k in expected), name  # bitwise
 
 
 def test_checkpoint_io_saves_the_same_step_twice_while_the_first_is_in_flight(tmp_path: Path) -> None:

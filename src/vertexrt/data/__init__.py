@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from vertexrt.data.managed import VertexImage, VertexText, VertexVideo
     from vertexrt.data.parquet import Parquet
     from vertexrt.data.prefetch import Prefetcher
+    from vertexrt.data.resumable import ResumableLoader, ResumableSampler, resumable_loader
     from vertexrt.data.tfrecord import TFRecord, TFRecordWriter
     from vertexrt.data.torch import DataLoader
 
@@ -53,6 +54,9 @@ _EXPORTS = {
     "encode_example": "vertexrt.data.example",
     "Prefetcher": "vertexrt.data.prefetch",
     "DataLoader": "vertexrt.data.torch",
+    "resumable_loader": "vertexrt.data.resumable",
+    "ResumableLoader": "vertexrt.data.resumable",
+    "ResumableSampler": "vertexrt.data.resumable",
 }
 
 __all__ = [
@@ -64,6 +68,8 @@ __all__ = [
     "Files",
     "Parquet",
     "Prefetcher",
+    "ResumableLoader",
+    "ResumableSampler",
     "TFRecord",
     "TFRecordWriter",
     "VertexImage",
@@ -73,6 +79,7 @@ __all__ = [
     "encode_example",
     "merge_states",
     "open_dataset",
+    "resumable_loader",
     "test_dataset",
     "validation_dataset",
 ]

@@ -224,6 +224,9 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         super().__init__(iterable, collate_fn=_CursorCollate(collate_fn or default, iterable), **kwargs)
         self._reader_cursors: dict[int, dict[str, Any]] = {}
         self._cursors_epoch = iterable.dataset.epoch
+        self._resumed_epoch: int | None = None  # the epoch a loaded state is in the middle of
+        self._resumed_batches: int | None = None  # the batches of it handed out before the save
+        self._handed: int | None = 0  # batches of the current epoch handed out (None: unknown)
         iterable.dataset._loader_workers = max(1, self.num_workers)
 
     @property
@@ -235,12 +238,43 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         """Select the epoch (it reaches persistent workers)."""
         self.dataset.set_epoch(epoch)  # type: ignore[attr-defined]
 
+    def __len__(self) -> int:
+        """Batches per epoch on this rank when every reader yields a known number of records (``equalize``
+        in force, see ``Dataset.epoch_length``). A loop that knows it does not read ahead to find the
+        epoch's end (Lightning), so the saved position is that of the last batch trained on.
+
+        Raises:
+            TypeError: the dataset is not equalized (its epoch length is unknown until read).
+        """
+        data = self.data
+        workers = max(1, self.num_workers)
+        saved = data._worker
+        data._worker = (0, workers)  # every reader of this rank (one per worker) yields the same number
+        try:
+            records = data.epoch_length()
+        finally:
+            data._worker = saved
+        if records is None:
+            raise TypeError(
+                "this vertexrt.data.DataLoader has no len(): its dataset is not equalized; open it with "
+                "equalize='drop_remainder' for a known number of batches per epoch"
+            )
+        if self.batch_size is None:  # a columnar reader's batches, or records one by one
+            return records * workers
+        per_worker = records // self.batch_size if self.drop_last else -(-records // self.batch_size)
+        return per_worker * workers
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         data = self.data
         epoch = data.epoch
         if epoch != self._cursors_epoch:
             self._reader_cursors = {}
             self._cursors_epoch = epoch
+        # From an epoch's start with a known len(), the last batch ends the epoch at once: a loop that knows
+        # len() (Lightning) never asks past it, and its saved state is then the next epoch's start.
+        resumed = self._resumed_epoch == epoch
+        self._handed = self._resumed_batches if resumed else 0
+        last = None if resumed and self._handed is None else _length_of(self)
         with long_phase("DataLoader start-up"):  # workers start and fill their first batch: not a hang
             batches = super().__iter__()
             first = list(itertools.islice(batches, 1))
@@ -249,12 +283,19 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
                 self._reader_cursors[reader] = Cursor(phase=DONE).to_dict()
             elif cursor is not None:
                 self._reader_cursors[reader] = cursor
+            if self._handed is not None:
+                self._handed += 1
+            if last is not None and self._handed == last:
+                self.set_epoch(epoch + 1)
+                yield batch
+                return
             yield batch
         if data.epoch == epoch:  # an exhausted epoch moves on, as iterating a Dataset does
             self.set_epoch(epoch + 1)
 
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last batch handed out, for every reader (JSON-serializable, small)."""
+        """The position after the last batch handed out, for every reader, and how many batches of the epoch
+        this rank handed out (JSON-serializable, small)."""
         state = self.data.state_dict()
         if self.data.epoch != self._cursors_epoch:
             return state
@@ -270,6 +311,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             "world_size": topo.world_size if cursors else None,
             "covers": sorted(covers),
             "cursors": dict(sorted(cursors.items())),
+            "batches": self._handed,  # this rank's, for a loop that counts batches against len()
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -284,3 +326,15 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self.data.adopt(world, world * max(1, self.num_workers))  # another world size: share out afresh
         self._reader_cursors = {}
         self._cursors_epoch = self.data.epoch
+        self._resumed_epoch = self.data.epoch
+        batches = state.get("batches")  # counted in the saved layout: valid only in the same one
+        readers = world * max(1, self.num_workers)
+        same = state.get("readers") in (None, readers) and state.get("world_size") in (None, world)
+        self._resumed_batches = batches if same and isinstance(batches, int) and batches >= 0 else None
+
+
+def _length_of(loader: DataLoader) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None

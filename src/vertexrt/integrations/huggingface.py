@@ -11,6 +11,8 @@
 - Preemption: on SIGTERM (through :func:`vertexrt.runtime.signals.preemption_signal`, the one owner) all
   ranks agree at a step end (:class:`~vertexrt.runtime.vote.StopVote`), save, commit, and exit 143.
 - Hyperparameter tuning: rank 0 reports ``metric_for_best_model`` after each evaluation.
+- Exact data on resume is the Trainer's own (a per-epoch seeded sampler, the batches already trained on
+  skipped): a WARNING when training starts with ``ignore_data_skip=True``, which turns that off.
 
 Example:
     >>> vertex = VertexTrainerCallback()
@@ -220,6 +222,12 @@ class VertexTrainerCallback(TrainerCallback):
             )
         from vertexrt.runtime.vote import PreemptionAgreement
 
+        if args.ignore_data_skip:
+            log.warning(
+                "VertexTrainerCallback: TrainingArguments(ignore_data_skip=True) makes a resume mid-epoch "
+                "train on the epoch's first batches again; a preemption will not resume exactly: leave it "
+                "False"
+            )
         self._preemption = PreemptionAgreement()
         self._stopping = False
 

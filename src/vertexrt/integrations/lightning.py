@@ -230,6 +230,9 @@ class VertexCallback(Callback):
       :class:`VertexCheckpointIO`, waits for the commit and exits with status 143.
     - After each validation, rank 0 reports ``trainer.callback_metrics[monitor]`` to hypertune.
     - :meth:`ckpt_path` is the newest valid checkpoint, for ``trainer.fit(ckpt_path=...)``.
+    - When training starts, a WARNING names a training loader that would not resume exactly (Lightning
+      restores only a loader's own state): use :func:`vertexrt.data.resumable_loader` for a map-style
+      dataset, ``vertexrt.data.DataLoader`` over a vertexrt reader with ``equalize`` for streaming data.
 
     Example:
         >>> vertex = VertexCallback(monitor="val_accuracy")
@@ -268,6 +271,15 @@ class VertexCallback(Callback):
 
         connector.register_signal_handlers = _no_sigterm_handler  # type: ignore[method-assign]
         self._preemption = PreemptionAgreement()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from vertexrt.data.resume_check import warn_if_inexact
+
+        loaders = trainer.train_dataloader
+        if isinstance(loaders, dict):
+            loaders = list(loaders.values())
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            warn_if_inexact(loader, "VertexCallback", restores_state_only=True)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         audit.step(trainer.global_step)  # `local-run --chaos` counts steps and places faults here

@@ -40,8 +40,9 @@ returned: ``evaluate()`` may return ``{"accuracy": (value, count)}`` (e.g. the e
 plain value is weighted by the batches it iterated through ``self.interruptible(...)`` (1 if none).
 
 The read position is exact when ``train_data`` is a vertexrt reader, a ``vertexrt.data.DataLoader``
-(any ``num_workers``) or a torch DataLoader over ``reader.as_torch()`` without worker processes; otherwise
-a resume replays the epoch and skips the batches already trained on.
+(any ``num_workers``), a ``vertexrt.data.resumable_loader(dataset, ...)`` over a map-style dataset, or a torch
+DataLoader over ``reader.as_torch()`` without worker processes; otherwise a resume replays the epoch and skips
+the batches already trained on, and ``fit()`` warns when that cannot be exact (a shuffled ``RandomSampler``).
 
 Example:
     >>> class MyTrainer(vertexrt.Trainer):
@@ -317,6 +318,9 @@ class Trainer(StateTracker):
         self.setup()
         data = self._train_data()
         self._check_equalized(data)
+        from vertexrt.data.resume_check import warn_if_inexact
+
+        warn_if_inexact(data, f"{type(self).__name__}.train_data")
         if self._sharded and self.ddp:
             self._wrap_modules()
         full = self.state()
@@ -539,6 +543,9 @@ class Trainer(StateTracker):
     def _train_epoch(self, data: Iterable[Any], progress: Progress) -> None:
         loop = self._loop
         skip = 0
+        if loop.batch_in_epoch and loop.batch_in_epoch == _length(data):
+            self._end_epoch()  # saved on the epoch's last batch: go on to the next one
+            return
         if loop.batch_in_epoch == 0:
             _set_epoch(data, loop.epoch)
         elif _cursor_of(data) is None or self._replay:
@@ -575,13 +582,16 @@ class Trainer(StateTracker):
                 self._evaluate()
             if save(loop.step, tree, loop.eval_metrics, shard=shard):  # when the save policy says so
                 self._saved = loop.state_dict()
-        steps_in_epoch = loop.batch_in_epoch
+        if progress.total_steps is None and self.max_steps is None:
+            progress.set_total(self.max_epochs * loop.batch_in_epoch)
+        self._end_epoch()
+
+    def _end_epoch(self) -> None:
+        loop = self._loop
         audit.event("epoch_end", step=loop.step, epoch=loop.epoch)
         loop.epoch += 1
         loop.batch_in_epoch = 0
-        if progress.total_steps is None and self.max_steps is None:
-            progress.set_total(self.max_epochs * steps_in_epoch)
-        if eval_every is None and self.has_evaluate() and loop.last_eval_step != loop.step:
+        if self.eval_every is None and self.has_evaluate() and loop.last_eval_step != loop.step:
             self._evaluate()
 
     def _evaluate(self) -> None:
