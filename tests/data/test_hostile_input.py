@@ -223,3 +223,20 @@ def test_a_fifo_is_not_a_data_file(tmp_path) -> None:
     assert [r["id"] for r in read(str(tmp_path))] == [1]
     with pytest.raises(DataError, match=r"b.jsonl' is not a regular file"):
         open_dataset(str(tmp_path / "b.jsonl"))
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_object_of_a_files_dataset_is_skipped_or_named(
+    gcs_server, fault_proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uuid
+
+    root = f"gs://{gcs_server.bucket}/{uuid.uuid4().hex}"
+    for name in ("cat/a.jpg", "cat/b.jpg", "dog/c.jpg"):
+        write_bytes(f"{root}/{name}", name.encode())
+    monkeypatch.setenv("VERTEXRT_STORAGE_TIMEOUT", "1")
+    fault_proxy.set("stall", match="cat%2Fb.jpg")  # that object's requests only
+    ds = open_dataset(f"{root}/*/*.jpg", shuffle=False, rank=0, world_size=1, on_error="skip")
+    assert [r["bytes"] for r in ds] == [b"cat/a.jpg", b"dog/c.jpg"] and ds.skipped == 1
+    with pytest.raises(DataError, match=r"no usable answer within 1 s while .*cat/b.jpg"):
+        read(f"{root}/*/*.jpg")
