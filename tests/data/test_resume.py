@@ -384,3 +384,17 @@ def test_a_file_rewritten_at_the_same_size_is_detected(storage_root: str, write_
     with pytest.raises(DataError, match="a file was rewritten since the state was saved") as caught:
         rewritten.load_state_dict(state)  # before: 150 duplicates and 150 records never seen
     assert "start the epoch afresh" in str(caught.value)
+
+
+def test_merging_a_damaged_state_names_the_field(tmp_path, id_files) -> None:
+    from vertexrt.data.dataset import merge_states
+    from vertexrt.errors import DataError
+
+    _, state = saved_at(tmp_path, id_files)
+    with pytest.raises(DataError, match=r"data state field epoch='x'"):
+        merge_states([state, tampered(state, ("epoch",), "x")])  # before: a raw ValueError
+    with pytest.raises(DataError, match=r"data state field cursors\['0'\]\.pos"):
+        merge_states([tampered(state, ("cursors", "0", "pos"), [1])])
+    with pytest.raises(DataError, match="not a vertexrt data state"):
+        merge_states([state, None])  # type: ignore[list-item]
+    assert merge_states([state])["cursors"] == state["cursors"]

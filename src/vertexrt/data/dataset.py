@@ -907,6 +907,12 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     if not states:
         raise DataError("merge_states([]): pass the data state of every rank")
+    for state in states:  # each checked as load_state_dict checks it: a damaged one is named, not merged
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise DataError(
+                f"merge_states: not a vertexrt data state (version {STATE_VERSION}): {str(state)[:200]}"
+            )
+        _checked(state)
     epoch = min(int(s["epoch"]) for s in states)
     merged: dict[str, Any] = {**states[0], "epoch": epoch, "cursors": {}, "covers": []}
     covers: set[int] = set()
