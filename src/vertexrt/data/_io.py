@@ -163,14 +163,14 @@ def _storage_call(operation: str, uri: str, fn: Any, *args: Any, **kwargs: Any) 
         raise DataError(str(err)) from err
 
 
-def _open_raw(uri: str, start: int, block: int) -> Any:
+def _open_raw(uri: str, start: int) -> Any:
     """The file at ``uri``, positioned at byte ``start``: a local (or mounted) file, or a :class:`_Ranged`
     Cloud Storage object."""
     from vertexrt import paths
 
     fs, path = paths.filesystem(uri)
     if paths.is_local_filesystem(fs):
-        raw = paths.open(uri, "rb", block_size=block)
+        raw = paths.open(uri, "rb")
         if start:
             raw.seek(start)
         return raw
@@ -206,9 +206,8 @@ def open_at(uri: str, compression: str, start: int, end: int | None = None) -> A
         >>> f = open_at("gs://b/part-0.jsonl.gz", "GZIP", 0)
         >>> piece = open_at("gs://b/big.csv", "", 1 << 30, end=2 << 30)
     """
-    block = GCS_BLOCK_SIZE if end is None else max(TAIL_READ, min(GCS_BLOCK_SIZE, end - start))
     try:
-        raw = _open_raw(uri, 0 if compression else start, block)
+        raw = _open_raw(uri, 0 if compression else start)
     except FileNotFoundError:
         raise DataError(f"{uri}: file not found (was it deleted or renamed after the dataset was opened?)")
     except PermissionError as err:
