@@ -62,8 +62,9 @@ class Managed(Format):
         retries: attempts after a transient error (not for a missing object) before it is a bad record;
             every fetch also ends by the storage deadline (``VERTEXRT_STORAGE_TIMEOUT``, see
             :mod:`vertexrt.retries`), a stalled one as a bad record.
-        max_bytes_ahead: fetched objects held ahead of the consumer, in bytes (default 256 MiB): fewer
-            objects are fetched ahead when they are large (at least one at a time).
+        max_bytes_ahead: bytes of fetched objects held at once, the batch being consumed and those fetched
+            ahead of it (default 256 MiB, estimated by the largest object so far): fewer objects are
+            fetched ahead when they are large (at least one at a time).
     """
 
     uri_keys: ClassVar[tuple[str, ...]] = ()
@@ -416,8 +417,9 @@ class _Fetcher:
         self._buckets: dict[str, Any] = {}  # bucket -> gcsfs: one lookup per bucket, not per object
 
     def room(self, most: int) -> int:
-        """How many more objects may start now without holding more than the byte budget (estimated by the
-        largest object seen so far; 1 at the start, when nothing is held, to learn a size)."""
+        """How many more objects may start now without holding more than the byte budget, the batch being
+        consumed included (estimated by the largest object seen so far; 1 at the start, when nothing is
+        held, to learn a size)."""
         size = 0
         for future in self._held:
             if future.done():
@@ -429,7 +431,8 @@ class _Fetcher:
                 size += self._largest or 0
         if self._largest is None:
             return 0 if self._held else 1
-        return max(0, min(most, (self._budget - size) // max(self._largest, 1)))
+        # half the budget ahead, so that with the batch the consumer holds (at most as much) it is kept
+        return max(0, min(most, (self._budget // 2 - size) // max(self._largest, 1)))
 
     def _resolve(self, uri: str) -> tuple[Any, str]:
         """``paths.filesystem(uri)``; for ``gs://`` the filesystem is looked up once per bucket (the URI is
@@ -477,8 +480,11 @@ class _Fetcher:
         from concurrent.futures import Future
 
         out = [f.result() if isinstance(f, Future) else f for f in slots]
-        done = {id(f) for f in slots}
-        self._held = [f for f in self._held if id(f) not in done]
+        done = {id(f) for f in slots if isinstance(f, Future)}
+        if done:
+            self._held = [f for f in self._held if id(f) not in done]
+            sizes = [len(p) if isinstance(p, bytes) else 0 for p in out]
+            self._largest = max(self._largest or 0, *sizes)
         return out
 
     def _fetch(self, fs: Any, path: str, uri: str) -> bytes | str:
