@@ -91,9 +91,13 @@ def main() -> None:
     env = environment()
     base = env.model_dir.rsplit("/", 1)[0]
     train_uri, val_uri = paths.join(base, "data", "train.jsonl"), paths.join(base, "data", "val.jsonl")
-    if hypertune.is_chief():  # the same bytes on a restart: the readers' places stay valid
-        write_data(val_uri, rows=1024, seed=2)
+    written = paths.join(base, "data", "_SUCCESS")
+    fs, marker = paths.filesystem(written)
+    if hypertune.is_chief() and not fs.exists(marker):  # once: a saved reader place belongs to these files
+        write_data(val_uri, rows=1024, seed=2)  # (a rewrite, even of the same bytes, is refused on resume)
         write_data(train_uri, rows=4096, seed=1)
+        with paths.open(written, "w") as f:
+            f.write("ok")
     barrier(strategy)  # the other workers read what the chief wrote
 
     tf.keras.utils.set_random_seed(1)

@@ -14,8 +14,8 @@ import pytest
 
 from vertexrt.checkpoint import CheckpointManager
 from vertexrt.checkpoint.datafiles import CheckpointCorruptError
-from vertexrt.checkpoint.deadline import storage_timeout
 from vertexrt.errors import CheckpointError, ConfigError
+from vertexrt.retries import storage_timeout
 
 from .ckpt_helpers import assert_state_equal, disk_full_scenario, make_state
 

@@ -186,3 +186,57 @@ def test_zero_byte_parquet_among_good_files_is_an_empty_shard(storage_root: str)
         read(paths.join(storage_root, "*.parquet"))
     records, skipped = skipping(paths.join(storage_root, "*.parquet"), Parquet())
     assert len(records) == 10 and skipped == 1
+
+
+# -- storage that never answers: every data read has a deadline ------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_cloud_storage_read_ends_with_a_typed_error_naming_the_file(
+    gcs_server, fault_proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uuid
+
+    uri = f"gs://{gcs_server.bucket}/{uuid.uuid4().hex}/train.jsonl"
+    write_bytes(uri, b"".join(b'{"id": %d}\n' % i for i in range(50)))
+    monkeypatch.setenv("VERTEXRT_STORAGE_TIMEOUT", "1")
+    ds = open_dataset(uri, shuffle=False, rank=0, world_size=1)
+    fault_proxy.set("stall")  # every request from now on is accepted and never answered
+    with pytest.raises(
+        DataError, match=r"no usable answer within 1 s while (opening|reading) " + re.escape(uri)
+    ):
+        list(ds)
+    with pytest.raises(DataError, match=r"no usable answer within 1 s while listing"):
+        open_dataset(uri)
+    assert fault_proxy.handled["stall"] >= 2
+    fault_proxy.set("pass")
+    assert len(list(open_dataset(uri, shuffle=False, rank=0, world_size=1))) == 50
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_is_not_a_data_file(tmp_path) -> None:
+    import os
+
+    (tmp_path / "a.jsonl").write_bytes(b'{"id": 1}\n')
+    os.mkfifo(tmp_path / "b.jsonl")  # no writer: a read would block forever
+    assert [r["id"] for r in read(f"{tmp_path}/*.jsonl")] == [1]
+    assert [r["id"] for r in read(str(tmp_path))] == [1]
+    with pytest.raises(DataError, match=r"b.jsonl' is not a regular file"):
+        open_dataset(str(tmp_path / "b.jsonl"))
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_object_of_a_files_dataset_is_skipped_or_named(
+    gcs_server, fault_proxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import uuid
+
+    root = f"gs://{gcs_server.bucket}/{uuid.uuid4().hex}"
+    for name in ("cat/a.jpg", "cat/b.jpg", "dog/c.jpg"):
+        write_bytes(f"{root}/{name}", name.encode())
+    monkeypatch.setenv("VERTEXRT_STORAGE_TIMEOUT", "1")
+    fault_proxy.set("stall", match="cat%2Fb.jpg")  # that object's requests only
+    ds = open_dataset(f"{root}/*/*.jpg", shuffle=False, rank=0, world_size=1, on_error="skip")
+    assert [r["bytes"] for r in ds] == [b"cat/a.jpg", b"dog/c.jpg"] and ds.skipped == 1
+    with pytest.raises(DataError, match=r"no usable answer within 1 s while .*cat/b.jpg"):
+        read(f"{root}/*/*.jpg")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,24 @@ from vertexrt.errors import DataError
 from .conftest import write_bytes
 
 NAMES = ["zebra", "cat", "dog"]
+TEST_BUCKET = "vertexrt-test"  # the GCS server's bucket (tests/conftest.py)
+
+
+@pytest.fixture
+def fuse(tmp_path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``/gcs/vertexrt-test``, a bucket on a local mirror of the Cloud Storage FUSE mount."""
+    (tmp_path / "fuse" / TEST_BUCKET).mkdir(parents=True)
+    monkeypatch.setenv("VERTEXRT_FUSE_ROOT", str(tmp_path / "fuse"))
+    return f"/gcs/{TEST_BUCKET}"
+
+
+@pytest.fixture(params=["fuse", "gcs"])
+def object_root(request: pytest.FixtureRequest, fuse: str) -> str:
+    """Where a test's objects and export live: the FUSE mount, or a bucket on the GCS server."""
+    if request.param == "fuse":
+        return fuse
+    request.getfixturevalue("gcs_server")
+    return f"gs://{TEST_BUCKET}/{uuid.uuid4().hex}"
 
 
 def image_export(root: str, write_jsonl: Callable[..., str], n: int = 150, files: int = 3) -> dict[str, Any]:
@@ -47,10 +66,10 @@ def image_export(root: str, write_jsonl: Callable[..., str], n: int = 150, files
     return images
 
 
-def test_image_export_yields_fetched_bytes_and_sorted_label_ids(storage_root: str, write_jsonl) -> None:
-    images = image_export(storage_root, write_jsonl)
+def test_image_export_yields_fetched_bytes_and_sorted_label_ids(object_root: str, write_jsonl) -> None:
+    images = image_export(object_root, write_jsonl)
     ds = open_dataset(
-        paths.join(storage_root, "export/training-*"), format=VertexImage(), seed=3, rank=0, world_size=1
+        paths.join(object_root, "export/training-*"), format=VertexImage(), seed=3, rank=0, world_size=1
     )
     assert ds.format.classes == ["cat", "dog", "zebra"]
     records = list(ds)
@@ -62,12 +81,12 @@ def test_image_export_yields_fetched_bytes_and_sorted_label_ids(storage_root: st
     assert [r["path"] for r in records] != sorted(images)  # shuffled
 
 
-def test_every_rank_maps_names_to_the_same_ids(tmp_path, write_jsonl) -> None:
-    images = image_export(str(tmp_path), write_jsonl)
+def test_every_rank_maps_names_to_the_same_ids(fuse: str, write_jsonl) -> None:
+    images = image_export(fuse, write_jsonl)
     seen: Counter[str] = Counter()
     for rank in range(3):  # rank shares hold different classes; ids come from all the files
         ds = open_dataset(
-            f"{tmp_path}/export/*.jsonl", format=VertexImage(), rank=rank, world_size=3, equalize=None
+            f"{fuse}/export/*.jsonl", format=VertexImage(), rank=rank, world_size=3, equalize=None
         )
         for record in ds:
             seen[record["path"]] += 1
@@ -75,9 +94,9 @@ def test_every_rank_maps_names_to_the_same_ids(tmp_path, write_jsonl) -> None:
     assert len(seen) == len(images) and set(seen.values()) == {1}
 
 
-def test_resume_mid_epoch_continues_with_the_next_record(storage_root: str, write_jsonl) -> None:
-    image_export(storage_root, write_jsonl, n=90)
-    pattern = paths.join(storage_root, "export/*.jsonl")
+def test_resume_mid_epoch_continues_with_the_next_record(object_root: str, write_jsonl) -> None:
+    image_export(object_root, write_jsonl, n=90)
+    pattern = paths.join(object_root, "export/*.jsonl")
 
     def fresh() -> Any:
         return open_dataset(pattern, format=VertexImage(), seed=5, shuffle_buffer=16, rank=0, world_size=1)
@@ -93,12 +112,12 @@ def test_resume_mid_epoch_continues_with_the_next_record(storage_root: str, writ
         assert head + [r["path"] for r in again] == full
 
 
-def test_a_missing_object_raises_naming_it_or_is_skipped_and_counted(storage_root: str, write_jsonl) -> None:
-    images = image_export(storage_root, write_jsonl, n=30, files=1)
+def test_a_missing_object_raises_naming_it_or_is_skipped_and_counted(object_root: str, write_jsonl) -> None:
+    images = image_export(object_root, write_jsonl, n=30, files=1)
     gone = sorted(images)[7]
     fs, path = paths.filesystem(gone)
     fs.rm(path)
-    pattern = paths.join(storage_root, "export/*.jsonl")
+    pattern = paths.join(object_root, "export/*.jsonl")
     with pytest.raises(
         DataError, match=r"training-00000-of-00001.jsonl:8 .*0007.jpg: referenced object not found"
     ):
@@ -108,8 +127,8 @@ def test_a_missing_object_raises_naming_it_or_is_skipped_and_counted(storage_roo
     assert ds.skipped == 1
 
 
-def test_detection_boxes_multi_label_text_and_video_segments(tmp_path, write_jsonl) -> None:
-    root = str(tmp_path)
+def test_detection_boxes_multi_label_text_and_video_segments(fuse: str, write_jsonl) -> None:
+    root = fuse
     write_bytes(f"{root}/a.jpg", b"A")
     write_bytes(f"{root}/t.txt", "héllo".encode())
     write_bytes(f"{root}/v.mp4", b"V" * 10)
@@ -160,16 +179,16 @@ def test_detection_boxes_multi_label_text_and_video_segments(tmp_path, write_jso
     assert classes  # the ids above index the sorted display names
 
 
-def test_a_name_outside_given_classes_is_a_bad_record(tmp_path, write_jsonl) -> None:
-    image_export(str(tmp_path), write_jsonl, n=20, files=1)
-    ds = open_dataset(f"{tmp_path}/export/*.jsonl", format=VertexImage(classes=["cat"]), rank=0, world_size=1)
+def test_a_name_outside_given_classes_is_a_bad_record(fuse: str, write_jsonl) -> None:
+    image_export(fuse, write_jsonl, n=20, files=1)
+    ds = open_dataset(f"{fuse}/export/*.jsonl", format=VertexImage(classes=["cat"]), rank=0, world_size=1)
     with pytest.raises(DataError, match=r"label 'dog' is not one of the classes \['cat'\]"):
         list(ds)
 
 
-def test_the_export_kind_is_told_from_its_first_line(tmp_path, write_jsonl) -> None:
-    image_export(str(tmp_path), write_jsonl, n=4, files=1)
-    [uri] = paths.filesystem(str(tmp_path))[0].glob(f"{tmp_path}/export/*.jsonl")
+def test_the_export_kind_is_told_from_its_first_line(fuse: str, write_jsonl) -> None:
+    image_export(fuse, write_jsonl, n=4, files=1)
+    [uri] = open_dataset(f"{fuse}/export/*.jsonl", format="jsonl").files
     assert isinstance(sniff([FileSource(uri, 1)]), VertexImage)
     assert isinstance(format_for_line({"textContent": "x"}), VertexText)
     assert isinstance(format_for_line({"videoGcsUri": "gs://b/v.mp4"}), VertexVideo)
@@ -187,10 +206,10 @@ def test_transient_storage_faults_are_retried(gcs_server, fault_proxy, write_jso
 
 
 def test_a_batch_mixing_cloud_storage_and_local_objects_keeps_line_order(
-    gcs_server, tmp_path, write_jsonl
+    gcs_server, fuse: str, tmp_path, write_jsonl
 ) -> None:
     remote = image_export(f"gs://{gcs_server.bucket}/mixed", write_jsonl, n=70, files=1)
-    local = image_export(str(tmp_path), write_jsonl, n=70, files=1)
+    local = image_export(fuse, write_jsonl, n=70, files=1)
     gone = [sorted(remote)[5], sorted(local)[60]]
     for uri in gone:
         fs, path = paths.filesystem(uri)
@@ -210,12 +229,12 @@ def test_a_batch_mixing_cloud_storage_and_local_objects_keeps_line_order(
     assert ds.skipped == 2
 
 
-def test_an_object_over_max_record_bytes_is_a_bad_record(storage_root: str, write_jsonl) -> None:
-    images = image_export(storage_root, write_jsonl, n=6, files=1)
+def test_an_object_over_max_record_bytes_is_a_bad_record(object_root: str, write_jsonl) -> None:
+    images = image_export(object_root, write_jsonl, n=6, files=1)
     big = sorted(images)[2]
     write_bytes(big, b"x" * 2000)  # the lines are shorter than the limit
     ds = open_dataset(
-        paths.join(storage_root, "export/*.jsonl"),
+        paths.join(object_root, "export/*.jsonl"),
         format=VertexImage(max_record_bytes=1000),
         on_error="skip",
         rank=0,
@@ -224,7 +243,138 @@ def test_an_object_over_max_record_bytes_is_a_bad_record(storage_root: str, writ
     assert sorted(r["path"] for r in ds) == sorted(set(images) - {big}) and ds.skipped == 1
     with pytest.raises(DataError, match=r"0002.jpg: the object is larger than max_record_bytes=1000"):
         list(
-            open_dataset(
-                paths.join(storage_root, "export/*.jsonl"), format=VertexImage(max_record_bytes=1000)
-            )
+            open_dataset(paths.join(object_root, "export/*.jsonl"), format=VertexImage(max_record_bytes=1000))
         )
+
+
+# -- hostile exports: object URIs that are not Cloud Storage objects are never read ----------------------
+
+
+@pytest.fixture
+def http_server() -> Any:
+    """A loopback HTTP server that records every request it receives."""
+    import http.server
+    import threading
+
+    received: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            received.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"secret from the network")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.received = received  # type: ignore[attr-defined]
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_object_uris_other_than_cloud_storage_are_refused_and_never_read(
+    fuse: str, tmp_path, http_server, write_jsonl
+) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"local secret")
+    port = http_server.server_address[1]
+    write_bytes(f"{fuse}/ok.jpg", b"OK")
+    hostile = [
+        str(secret),
+        f"file://{secret}",
+        "/proc/self/environ",
+        f"http://127.0.0.1:{port}/x.jpg",
+        f"https://127.0.0.1:{port}/x.jpg",
+        f"ftp://127.0.0.1:{port}/x.jpg",
+        f"{fuse}/../../{tmp_path.name}/secret.txt",
+        "gs://vertexrt-test",
+        "gs:/vertexrt-test/x.jpg",
+    ]
+    lines = [{"imageGcsUri": f"{fuse}/ok.jpg"}] + [{"imageGcsUri": uri} for uri in hostile]
+    export = write_jsonl(f"{tmp_path}/export.jsonl", lines)
+    with pytest.raises(DataError, match=r"export.jsonl:2 .*imageGcsUri=.*secret.txt.* refused"):
+        list(open_dataset(export, format=VertexImage(), shuffle=False, rank=0, world_size=1))
+    ds = open_dataset(export, format=VertexImage(), shuffle=False, on_error="skip", rank=0, world_size=1)
+    assert [(r["path"], r["bytes"]) for r in ds] == [(f"{fuse}/ok.jpg", b"OK")]
+    assert ds.skipped == len(hostile)
+    text = write_jsonl(f"{tmp_path}/text.jsonl", [{"textGcsUri": f"http://127.0.0.1:{port}/t.txt"}])
+    with pytest.raises(DataError, match=r"text.jsonl:1 .*textGcsUri='http://127.0.0.1"):
+        list(open_dataset(text, format=VertexText(), rank=0, world_size=1))
+    bare = open_dataset(export, format=VertexImage(fetch=False), on_error="skip", rank=0, world_size=1)
+    assert [r["path"] for r in bare] == [f"{fuse}/ok.jpg"] and bare.skipped == len(hostile)
+    assert http_server.received == []
+
+
+# -- objects that never answer: a FIFO, a stalled Cloud Storage read ----------------------------------------
+
+
+def test_a_fifo_object_is_refused_not_waited_on(fuse: str, tmp_path, write_jsonl) -> None:
+    import os
+
+    write_bytes(f"{fuse}/a.jpg", b"A")
+    os.mkfifo(tmp_path / "fuse" / TEST_BUCKET / "fifo.jpg")  # no writer: opening it to read would block
+    export = write_jsonl(
+        f"{tmp_path}/export.jsonl", [{"imageGcsUri": f"{fuse}/fifo.jpg"}, {"imageGcsUri": f"{fuse}/a.jpg"}]
+    )
+    with pytest.raises(DataError, match=r"export.jsonl:1 .*fifo.jpg is not a regular file"):
+        list(open_dataset(export, format=VertexImage(), shuffle=False, rank=0, world_size=1))
+    ds = open_dataset(export, format=VertexImage(), on_error="skip", rank=0, world_size=1)
+    assert [r["bytes"] for r in ds] == [b"A"] and ds.skipped == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_object_ends_by_the_storage_deadline(
+    gcs_server, fault_proxy, monkeypatch: pytest.MonkeyPatch, tmp_path, write_jsonl
+) -> None:
+    root = f"gs://{gcs_server.bucket}/{uuid.uuid4().hex}"
+    images = image_export(root, write_jsonl, n=6, files=1)
+    stalled = sorted(images)[2]
+    export = write_jsonl(f"{tmp_path}/export.jsonl", [{"imageGcsUri": uri} for uri in sorted(images)])
+    monkeypatch.setenv("VERTEXRT_STORAGE_TIMEOUT", "1")
+    fault_proxy.set("stall", match=stalled.split("/", 3)[3].replace("/", "%2F"))  # that object's reads only
+    ds = open_dataset(export, format=VertexImage(), shuffle=False, on_error="skip", rank=0, world_size=1)
+    assert [r["path"] for r in ds] == [u for u in sorted(images) if u != stalled] and ds.skipped == 1
+    with pytest.raises(
+        DataError, match=r"export.jsonl:3 .*0002.jpg: Cloud Storage got no usable answer within 1 s"
+    ) as exc:
+        list(open_dataset(export, format=VertexImage(), shuffle=False, rank=0, world_size=1))
+    assert "VERTEXRT_STORAGE_TIMEOUT" in str(exc.value)
+    assert fault_proxy.handled["stall"] >= 2
+
+
+# -- fetched bytes are bounded, not only the count of objects -------------------------------------------
+
+
+def test_fetched_objects_held_ahead_are_bounded_in_bytes(fuse: str, tmp_path, write_jsonl) -> None:
+    import tracemalloc
+
+    size, n = 1 << 20, 120
+    for i in range(n):
+        write_bytes(f"{fuse}/big/{i:03d}.mp4", bytes([i]) * size)
+    export = write_jsonl(
+        f"{tmp_path}/export.jsonl", [{"videoGcsUri": f"{fuse}/big/{i:03d}.mp4"} for i in range(n)]
+    )
+    ds = open_dataset(
+        export,
+        format=VertexVideo(concurrency=4, max_bytes_ahead=8 * size),
+        shuffle=False,
+        rank=0,
+        world_size=1,
+    )
+    tracemalloc.start()
+    try:
+        seen = 0
+        for record in ds:
+            assert record["bytes"][:1] == bytes([seen]) and len(record["bytes"]) == size
+            seen += 1
+            del record
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen == n
+    # the budget, the objects in flight past it and the batch being consumed; before, every one (120 MiB)
+    assert peak < 24 * size, f"peak {peak / size:.1f} MiB held"

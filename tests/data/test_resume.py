@@ -258,3 +258,143 @@ def test_closing_the_iterator_ends_the_pass_and_keeps_the_position(tmp_path, pre
     again.load_state_dict(state)
     assert head + [r["id"] for r in again] == good
     assert not [t for t in threading.enumerate() if "prefetch" in t.name.lower() and t.is_alive()]
+
+
+# -- a damaged or edited state is refused before use, naming the field ----------------------------------
+
+
+def saved_at(tmp_path: Any, id_files: Any, stop: int = 100, **options: Any) -> tuple[Any, dict[str, Any]]:
+    """``(fresh, state)``: a dataset maker over one JSONL file of 300 records, its state after ``stop``."""
+    id_files(str(tmp_path), [300])
+
+    def fresh() -> Any:
+        return open_dataset(f"{tmp_path}/part-*.jsonl", shuffle=False, rank=0, world_size=1, **options)
+
+    ds = fresh()
+    it = iter(ds)
+    for _ in range(stop):
+        next(it)
+    state = json.loads(json.dumps(ds.state_dict()))
+    it.close()
+    return fresh, state
+
+
+def tampered(state: dict[str, Any], where: tuple[str, ...], value: Any) -> dict[str, Any]:
+    edited = json.loads(json.dumps(state))
+    target = edited
+    for key in where[:-1]:
+        target = target[key]
+    target[where[-1]] = value
+    return edited
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "field"),
+    [
+        (("epoch",), "1", "epoch"),
+        (("epoch",), -1, "epoch"),
+        (("readers",), 0, "readers"),
+        (("readers",), "1", "readers"),
+        (("cursors",), [], "cursors"),
+        (("cursors", "0"), 5, r"cursors\['0'\]"),
+        (("cursors", "0", "pos"), "12", r"cursors\['0'\]\.pos"),
+        (("cursors", "0", "skip"), -5, r"cursors\['0'\]\.skip"),
+        (("cursors", "0", "emitted"), True, r"cursors\['0'\]\.emitted"),
+        (("cursors", "0", "unit"), 1.0, r"cursors\['0'\]\.unit"),
+        (("cursors", "0", "phase"), 7, r"cursors\['0'\]\.phase"),
+        (("cursors", "0", "emitted"), 2**70, r"cursors\['0'\]\.emitted"),
+        (("covers",), ["0"], "covers"),
+        (("plan",), "all", "plan"),
+        (("plan",), [[5, 2]], r"plan\[0\]"),
+        (("plan",), [[0, 5], [3, 9]], r"plan\[1\]"),
+        (("plan",), [[0, -1]], r"plan\[0\]\[1\]"),
+    ],
+)
+def test_a_state_field_of_the_wrong_type_or_sign_is_a_data_error_naming_it(
+    tmp_path, id_files, where: tuple[str, ...], value: Any, field: str
+) -> None:
+    from vertexrt.errors import DataError
+
+    fresh, state = saved_at(tmp_path, id_files)
+    ds = fresh()
+    with pytest.raises(DataError, match=rf"data state field {field}=.*start the epoch afresh"):
+        ds.load_state_dict(tampered(state, where, value))
+        list(ds)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("pos", 10**9, r"cursor \(pos, skip\)=.* points past the records of .*part-00.jsonl"),
+        ("skip", 10**6, r"cursor \(pos, skip\)=.* points past the records of .*part-00.jsonl"),
+        ("unit", 50, r"cursors\['0'\]\.unit=.* is past this reader's 1 units"),
+    ],
+)
+def test_a_cursor_past_the_data_is_refused(tmp_path, id_files, field: str, value: int, message: str) -> None:
+    from vertexrt.errors import DataError
+
+    fresh, state = saved_at(tmp_path, id_files)
+    ds = fresh()
+    ds.load_state_dict(tampered(state, ("cursors", "0", field), value))
+    with pytest.raises(DataError, match=message):
+        list(ds)  # before: the 200 records left were never delivered, and no error
+
+
+@pytest.mark.timeout(60)
+def test_a_tampered_elastic_plan_or_record_count_is_refused(tmp_path, id_files) -> None:
+    from vertexrt.errors import DataError
+
+    fresh, state = saved_at(tmp_path, id_files, equalize="drop_remainder")
+    ds = fresh()
+    ds.load_state_dict(tampered(state, ("plan",), [[0, 10**7]]))  # before: padded with repeats for minutes
+    with pytest.raises(DataError, match=r"data state field plan=.* reaches past the epoch's 300 records"):
+        list(ds)
+    ds = fresh()
+    ds.load_state_dict(tampered(state, ("cursors", "0", "emitted"), 10**6))
+    with pytest.raises(DataError, match=r"cursors\['0'\]\.emitted=.* is past this reader's 300 records"):
+        list(ds)
+    ds = fresh()
+    ds.load_state_dict(state)  # untouched, it resumes exactly
+    assert [r["id"] for r in ds] == list(range(100, 300))
+
+
+# -- a file rewritten at the same size is not the file the state was saved for --------------------------
+
+
+def test_a_file_rewritten_at_the_same_size_is_detected(storage_root: str, write_jsonl) -> None:
+    import os
+
+    from vertexrt.errors import DataError
+
+    uri = paths.join(storage_root, "part.jsonl")
+    records = [{"id": i} for i in range(100, 400)]  # three-digit ids: any order has the same size
+    write_jsonl(uri, records)
+    ds = open_dataset(uri, shuffle=False, rank=0, world_size=1)
+    it = iter(ds)
+    for _ in range(150):
+        next(it)
+    state = json.loads(json.dumps(ds.state_dict()))
+    it.close()
+    before = paths.filesystem(uri)[0].info(paths.filesystem(uri)[1])
+    write_jsonl(uri, records[::-1])  # the same records in a new order: the same size
+    if paths.storage_kind(uri) == "local":  # a rewrite moves the modification time on (here by 1 s)
+        os.utime(uri, ns=(os.stat(uri).st_atime_ns, os.stat(uri).st_mtime_ns + 10**9))
+    rewritten = open_dataset(uri, shuffle=False, rank=0, world_size=1)
+    assert paths.filesystem(uri)[0].info(paths.filesystem(uri)[1])["size"] == before["size"]
+    with pytest.raises(DataError, match="a file was rewritten since the state was saved") as caught:
+        rewritten.load_state_dict(state)  # before: 150 duplicates and 150 records never seen
+    assert "start the epoch afresh" in str(caught.value)
+
+
+def test_merging_a_damaged_state_names_the_field(tmp_path, id_files) -> None:
+    from vertexrt.data.dataset import merge_states
+    from vertexrt.errors import DataError
+
+    _, state = saved_at(tmp_path, id_files)
+    with pytest.raises(DataError, match=r"data state field epoch='x'"):
+        merge_states([state, tampered(state, ("epoch",), "x")])  # before: a raw ValueError
+    with pytest.raises(DataError, match=r"data state field cursors\['0'\]\.pos"):
+        merge_states([tampered(state, ("cursors", "0", "pos"), [1])])
+    with pytest.raises(DataError, match="not a vertexrt data state"):
+        merge_states([state, None])  # type: ignore[list-item]
+    assert merge_states([state])["cursors"] == state["cursors"]

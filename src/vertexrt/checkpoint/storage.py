@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
-from vertexrt import paths
-from vertexrt.checkpoint import deadline
-from vertexrt.checkpoint.deadline import Kind
+from vertexrt import paths, retries
 from vertexrt.errors import CheckpointError, PathError, StepExistsError
+from vertexrt.retries import Kind
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +170,7 @@ class OsStore:
 class FsspecStore:
     """An object store through fsspec (gcsfs for ``gs://``); listings always bypass the cache.
 
-    Every call runs under a deadline with retries (:mod:`vertexrt.checkpoint.deadline`): storage that stops
+    Every call runs under a deadline with retries (:mod:`vertexrt.retries`): storage that stops
     answering fails the call in time with a :class:`~vertexrt.errors.StorageError` (a
     ``CheckpointError``) naming the operation and the ``gs://`` URI.
     """
@@ -245,7 +244,7 @@ class FsspecStore:
         self, operation: str, method: str, path: str, *args: Any, kind: Kind = "data", **kwargs: Any
     ) -> Any:
         uri = self.fs.unstrip_protocol(path)
-        return deadline.call(operation, uri, getattr(self.fs, method), path, *args, kind=kind, **kwargs)
+        return retries.call(operation, uri, getattr(self.fs, method), path, *args, kind=kind, **kwargs)
 
 
 class Strategy:

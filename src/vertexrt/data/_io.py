@@ -1,7 +1,9 @@
 """Opening data files for large sequential reads, with GZIP/ZLIB decompression and decompressed offsets.
 
 Positions inside a compressed file are offsets in its *decompressed* stream; a compressed stream cannot be
-seeked, so starting at a position re-reads (and discards) the bytes before it.
+seeked, so starting at a position re-reads (and discards) the bytes before it. Cloud Storage objects are
+read by range requests, each under the storage deadline and retry policy of :mod:`vertexrt.retries`
+(``VERTEXRT_STORAGE_TIMEOUT``): a stalled object ends as a :class:`~vertexrt.errors.DataError` naming it.
 """
 
 from __future__ import annotations
@@ -122,6 +124,60 @@ class _Inflate(_Wrapped):
         return data
 
 
+class _Ranged:
+    """A Cloud Storage object read from ``start`` by range requests, each under the storage deadline."""
+
+    def __init__(self, fs: Any, path: str, uri: str, start: int, size: int):
+        self._fs = fs
+        self._path = path
+        self._uri = uri
+        self._pos = start
+        self._size = size
+        self.closed = False
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._size if size < 0 else min(self._size, self._pos + size)
+        if end <= self._pos:
+            return b""
+        data: bytes = _storage_call(
+            "reading", self._uri, self._fs.cat_file, self._path, start=self._pos, end=end
+        )
+        self._pos += len(data)
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _storage_call(operation: str, uri: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """:func:`vertexrt.retries.call`, its :class:`~vertexrt.errors.StorageError` raised as a DataError."""
+    from vertexrt import retries
+    from vertexrt.errors import StorageError
+
+    try:
+        return retries.call(operation, uri, fn, *args, **kwargs)
+    except StorageError as err:
+        raise DataError(str(err)) from err
+
+
+def _open_raw(uri: str, start: int) -> Any:
+    """The file at ``uri``, positioned at byte ``start``: a local (or mounted) file, or a :class:`_Ranged`
+    Cloud Storage object."""
+    from vertexrt import paths
+
+    fs, path = paths.filesystem(uri)
+    if paths.is_local_filesystem(fs):
+        raw = paths.open(uri, "rb")
+        if start:
+            raw.seek(start)
+        return raw
+    info = _storage_call("opening", uri, fs.info, path, kind="list")
+    return _Ranged(fs, path, uri, start, int(info.get("size") or 0))
+
+
 TAIL_READ = 64 << 10
 """Bytes asked for per read past the end of a byte range: only the record that crosses the end is wanted."""
 
@@ -150,18 +206,13 @@ def open_at(uri: str, compression: str, start: int, end: int | None = None) -> A
         >>> f = open_at("gs://b/part-0.jsonl.gz", "GZIP", 0)
         >>> piece = open_at("gs://b/big.csv", "", 1 << 30, end=2 << 30)
     """
-    from vertexrt import paths
-
-    block = GCS_BLOCK_SIZE if end is None else max(TAIL_READ, min(GCS_BLOCK_SIZE, end - start))
     try:
-        raw = paths.open(uri, "rb", block_size=block)
+        raw = _open_raw(uri, 0 if compression else start)
     except FileNotFoundError:
         raise DataError(f"{uri}: file not found (was it deleted or renamed after the dataset was opened?)")
     except PermissionError as err:
         raise DataError(f"{uri}: permission denied ({err}); grant the job's service account read access")
     if not compression:
-        if start:
-            raw.seek(start)
         return raw if end is None else _Bounded(raw, start, end)
     if end is not None:
         raw.close()

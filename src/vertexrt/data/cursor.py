@@ -41,13 +41,27 @@ class Cursor:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Cursor:
+    def from_dict(cls, data: Any, where: str = "cursor") -> Cursor:
+        """The cursor saved as ``data``, every field checked: integers ``>= 0`` (``pos`` may be None), a
+        known phase.
+
+        Raises:
+            DataError: naming the field (``where``: e.g. ``cursors['3']``), when the state was damaged or
+                edited.
+        """
+        if not isinstance(data, dict):
+            raise DataError(f"{state_problem(where, data, 'is not an object of cursor fields')}")
         names = {f.name for f in fields(cls)}
         unknown = set(data) - names
         if unknown:
             raise DataError(
                 f"data reader state has unknown cursor fields {sorted(unknown)}: not a vertexrt state"
             )
+        for name, value in data.items():
+            if not (name == "pos" and value is None):
+                check_count(f"{where}.{name}", value)
+        if data.get("phase", OWN) not in (OWN, PAD, DONE):
+            raise DataError(state_problem(f"{where}.phase", data["phase"], f"is not {OWN}, {PAD} or {DONE}"))
         return cls(**data)
 
     @property
@@ -98,6 +112,45 @@ class StreamSpec:
 
 Kept = tuple[int, int, int, int, list[Any], Any]
 
+MAX_COUNT = 1 << 62
+"""Largest position or count a saved state may hold (larger is damage, not data)."""
+
+
+def state_problem(field: str, value: Any, problem: str) -> str:
+    """The message for a data state field that cannot be used, and what to do about it."""
+    return (
+        f"data state field {field}={str(value)[:80]!r} {problem}: the state was damaged or edited, or "
+        "belongs to other data; restore the state exactly as state_dict() returned it, or leave it out "
+        "(don't call load_state_dict) to start the epoch afresh"
+    )
+
+
+def check_count(field: str, value: Any) -> int:
+    """``value`` when it is an integer in ``[0, MAX_COUNT]`` (not a bool), else a DataError naming
+    ``field``."""
+    if type(value) is not int or not 0 <= value <= MAX_COUNT:
+        raise DataError(state_problem(field, value, f"is not an integer from 0 to {MAX_COUNT}"))
+    return value
+
+
+def check_against(spec: StreamSpec, cursor: Cursor, reader: int) -> None:
+    """Refuse a loaded cursor that ``spec`` (this reader's epoch) cannot hold: a unit past its units, a
+    count past its record target, a shuffle block's consumed records past the block size."""
+    where = f"cursors['{reader}']"
+    units = spec.units if cursor.phase == OWN else spec.pad_units
+    if cursor.unit > len(units):
+        raise DataError(
+            state_problem(f"{where}.unit", cursor.unit, f"is past this reader's {len(units)} units")
+        )
+    if spec.target is not None and cursor.emitted > spec.target:
+        raise DataError(
+            state_problem(f"{where}.emitted", cursor.emitted, f"is past this reader's {spec.target} records")
+        )
+    if cursor.drop > max(spec.block_size, 1):
+        raise DataError(
+            state_problem(f"{where}.drop", cursor.drop, f"is past the shuffle block of {spec.block_size}")
+        )
+
 
 def _kept(
     spec: StreamSpec, units: list[Unit], stride: int, offset: int, start: Cursor, errors: Errors
@@ -118,8 +171,12 @@ def _kept(
         assert pos is not None
         group_pos, group_g, base = -1, g, 0
         read = fmt.read_columns if spec.columnar else fmt.read
+        checking = resumed  # a loaded position: it must hold the records its skip counts
         for cpos, raws in read(source, pos, unit.until if ranged else unit.end, errors):
             if cpos != group_pos:
+                if checking and group_pos >= 0 and skip >= max(stride, 1):
+                    _past_end(source, start)
+                checking = checking and group_pos < 0
                 group_pos, group_g, base = cpos, g, 0
             n = len(raws)
             if skip >= n:
@@ -139,6 +196,16 @@ def _kept(
             g += n
             if ranged and unit.end is not None and g >= unit.end:
                 break
+        if checking and (group_pos < 0 or skip >= max(stride, 1)):
+            _past_end(source, start)
+
+
+def _past_end(source: Any, cursor: Cursor) -> None:
+    """A loaded cursor's position (``pos``, then ``skip`` records) is past what the source holds there."""
+    where = getattr(source, "uri", source)
+    raise DataError(
+        state_problem("cursor (pos, skip)", (cursor.pos, cursor.skip), f"points past the records of {where}")
+    )
 
 
 def chunks(spec: StreamSpec, cursor: Cursor, errors: Errors) -> Iterator[Chunk]:

@@ -21,7 +21,17 @@ from itertools import chain
 from typing import TYPE_CHECKING, Any, Literal
 
 from vertexrt.data.columns import Columns, concat, same_schema
-from vertexrt.data.cursor import OWN, Chunk, Cursor, StreamSpec, chunks
+from vertexrt.data.cursor import (
+    MAX_COUNT,
+    OWN,
+    Chunk,
+    Cursor,
+    StreamSpec,
+    check_against,
+    check_count,
+    chunks,
+    state_problem,
+)
 from vertexrt.data.formats import Errors, FileSource, Format, OnError, format_for_uri, format_named
 from vertexrt.data.prefetch import Prefetcher
 from vertexrt.data.sharding import (
@@ -212,6 +222,7 @@ class Dataset:
         self.adopt(topo.world_size, topo.readers)
         spec = self._spec(topo)
         cursor = self._cursors.get(topo.reader, Cursor())
+        check_against(spec, cursor, topo.reader)
         errors = self._errors
         token = object()
         self._token = token
@@ -332,13 +343,9 @@ class Dataset:
             session = check_record(state.get("session"))
             if session:  # one of another table, other columns or another filter is a DataError
                 self.format.check_saved(self.sources, session)  # type: ignore[attr-defined]
-        self._epoch = int(state["epoch"])
-        self._cursors = {int(k): Cursor.from_dict(v) for k, v in state.get("cursors", {}).items()}
-        self._readers = state.get("readers")
-        self._saved_world = state.get("world_size")
-        self._covers = {int(r) for r in state.get("covers", self._cursors)}
-        plan = state.get("plan")
-        self._plan = None if plan is None else [(int(a), int(b)) for a, b in plan]
+        self._epoch, self._cursors, self._readers, self._saved_world, self._covers, self._plan = _checked(
+            state
+        )
         self._live = None
         self._token = None
         if isinstance(self.sources, TableSource):
@@ -400,7 +407,7 @@ class Dataset:
                 "torch.distributed.all_gather_object when saving)"
             )
         order = self._order(old)
-        plan = self._plan or [(0, sum(self._unit_counts(order)))]
+        plan = _within(self._plan, sum(self._unit_counts(order)))
         consumed = {}
         for reader in range(old):
             cursor = self._cursors.get(reader, Cursor())
@@ -434,7 +441,7 @@ class Dataset:
         if isinstance(self.sources, TableSource):
             data: Any = self.sources.table_id
         else:
-            data = [(s.uri, s.size) for s in self.sources]
+            data = [(s.uri, s.size, s.version) for s in self.sources]
         options = self._options()
         blob = json.dumps(
             [
@@ -450,15 +457,18 @@ class Dataset:
 
     def _options(self) -> dict[str, Any]:
         """What the cursor's meaning depends on, by option name (small: saved in every state)."""
+        versions = None
         if isinstance(self.sources, TableSource):
             files: Any = self.sources.table_id
         else:
             files = f"{len(self.sources)} files of {sum(s.size for s in self.sources)} bytes"
+            versions = hashlib.sha1("\n".join(s.version for s in self.sources).encode()).hexdigest()[:12]
         fmt = repr(self.format)
         if len(fmt) > 160:  # e.g. Files with a thousand class names: the state stays small
             fmt = f"{fmt[:80]}... (sha1 {hashlib.sha1(fmt.encode()).hexdigest()[:12]})"
         return {
             "files": files,
+            "versions": versions,
             "format": fmt,
             "shuffle": self.shuffle,
             "seed": self.seed,
@@ -473,7 +483,17 @@ class Dataset:
         if not isinstance(saved, dict):
             return "files, sizes, format, shuffle, seed, shuffle_buffer, equalize or batch_size"
         now = self._options()
-        changed = [f"{k}: saved {saved.get(k)}, now {v}" for k, v in now.items() if saved.get(k) != v]
+        changed = [
+            f"{k}: saved {saved.get(k)}, now {v}"
+            for k, v in now.items()
+            if saved.get(k) != v and k != "versions"
+        ]
+        if not changed and saved.get("versions") != now["versions"]:
+            changed = [
+                "files: a file was rewritten since the state was saved (same names and sizes, a new Cloud "
+                "Storage generation or modification time), so the saved positions may fall elsewhere (a job "
+                "that generates its data writes it once, not again at each start)"
+            ]
         if not changed:  # same counts and sizes: a file was renamed or replaced by one of the same size
             changed = [f"files: the file names changed ({now['files']})"]
         return "; ".join(changed)
@@ -702,7 +722,7 @@ class Dataset:
         mode = self._equalize_mode()
         if self._contiguous(topo.readers):
             unit_counts = self._counted(order)
-            plan = self._plan or [(0, sum(unit_counts))]
+            plan = _within(self._plan, sum(unit_counts))
             units, stride, offset = balanced(order, unit_counts, topo.reader, topo.readers, plan), 1, 0
             if isinstance(self.sources, TableSource):  # a stream's rows [a, b): read from row a, stop at b
                 units = [Unit(u.source, 0, u.end - u.start, True, u.start, u.end) for u in units]  # type: ignore[operator]
@@ -899,6 +919,12 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     if not states:
         raise DataError("merge_states([]): pass the data state of every rank")
+    for state in states:  # each checked as load_state_dict checks it: a damaged one is named, not merged
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise DataError(
+                f"merge_states: not a vertexrt data state (version {STATE_VERSION}): {str(state)[:200]}"
+            )
+        _checked(state)
     epoch = min(int(s["epoch"]) for s in states)
     merged: dict[str, Any] = {**states[0], "epoch": epoch, "cursors": {}, "covers": []}
     covers: set[int] = set()
@@ -925,6 +951,64 @@ def merge_states(states: Sequence[dict[str, Any]]) -> dict[str, Any]:
     merged["covers"] = sorted(covers)
     merged["cursors"] = dict(sorted(merged["cursors"].items(), key=lambda kv: int(kv[0])))
     return merged
+
+
+def _checked(
+    state: dict[str, Any],
+) -> tuple[int, dict[int, Cursor], int | None, int | None, set[int], list[tuple[int, int]] | None]:
+    """``(epoch, cursors, readers, world_size, covers, plan)`` of a loaded state, each field checked against
+    its type and bounds (a damaged or edited state raises a DataError naming the field, never a raw error)."""
+    epoch = check_count("epoch", state.get("epoch"))
+    readers, world = state.get("readers"), state.get("world_size")
+    for name, value in (("readers", readers), ("world_size", world)):
+        if value is not None and check_count(name, value) < 1:
+            raise DataError(state_problem(name, value, "is not >= 1"))
+    if readers is not None and world is not None and readers % world:
+        raise DataError(state_problem("readers", readers, f"is not a multiple of world_size={world}"))
+    saved = state.get("cursors", {})
+    if not isinstance(saved, dict):
+        raise DataError(state_problem("cursors", saved, "is not an object of readers' cursors"))
+    cursors = {}
+    for key, value in saved.items():
+        reader = int(key) if isinstance(key, str) and key.isdigit() else -1
+        if reader < 0 or (readers is not None and reader >= readers):
+            raise DataError(
+                state_problem(f"cursors[{key!r}]", key, f"is not a reader of 0..{(readers or 1) - 1}")
+            )
+        cursors[reader] = Cursor.from_dict(value, f"cursors[{key!r}]")
+    if cursors and readers is None:
+        raise DataError(state_problem("readers", readers, "is missing beside the cursors"))
+    listed = state.get("covers", sorted(cursors))
+    if not isinstance(listed, list) or any(
+        type(r) is not int or not 0 <= r < (readers or MAX_COUNT) for r in listed
+    ):
+        raise DataError(state_problem("covers", listed, "is not a list of this state's readers"))
+    plan = state.get("plan")
+    if plan is None:
+        return epoch, cursors, readers, world, set(listed), None
+    if not isinstance(plan, list):
+        raise DataError(state_problem("plan", plan, "is not a list of [start, end) intervals"))
+    intervals: list[tuple[int, int]] = []
+    for i, pair in enumerate(plan):
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise DataError(state_problem(f"plan[{i}]", pair, "is not a [start, end) pair"))
+        a, b = check_count(f"plan[{i}][0]", pair[0]), check_count(f"plan[{i}][1]", pair[1])
+        if a >= b or (intervals and a < intervals[-1][1]):
+            raise DataError(
+                state_problem(f"plan[{i}]", pair, "is empty, reversed or overlaps the interval before")
+            )
+        intervals.append((a, b))
+    return epoch, cursors, readers, world, set(listed), intervals
+
+
+def _within(plan: list[tuple[int, int]] | None, total: int) -> list[tuple[int, int]]:
+    """The epoch's unread intervals (``plan``, default all ``total`` records), refused if a loaded plan
+    reaches past the records there are."""
+    if plan is None:
+        return [(0, total)]
+    if plan and plan[-1][1] > total:
+        raise DataError(state_problem("plan", plan[-1], f"reaches past the epoch's {total} records"))
+    return plan
 
 
 def _consumed(end: int, records: Iterator[Any]) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
-from vertexrt.data._io import MAX_RECORD_BYTES
+from vertexrt.data._io import MAX_RECORD_BYTES, open_at
 from vertexrt.data.formats import Errors, FileSource, Format
 from vertexrt.errors import DataError
 
@@ -62,8 +62,6 @@ class Files(Format):
     def read(
         self, source: FileSource, start: int, end: int | None, errors: Errors
     ) -> Iterator[tuple[int, list[tuple[str, bytes]]]]:
-        from vertexrt import paths
-
         if start > 0:
             return
         if source.size > self.max_record_bytes:
@@ -72,18 +70,14 @@ class Files(Format):
                 f"{self.max_record_bytes}; raise Files(max_record_bytes=...) if such files are real"
             )
             return
-        try:
-            with paths.open(source.uri, "rb") as f:
+        try:  # a Cloud Storage object is read under the storage deadline (a stalled one is a bad record)
+            f = open_at(source.uri, "", 0)
+            try:
                 data = f.read(self.max_record_bytes + 1)
-        except FileNotFoundError:
-            errors.bad(
-                f"{source.uri}: file not found (was it deleted or renamed after the dataset was opened?)"
-            )
-            return
-        except PermissionError as err:
-            errors.bad(
-                f"{source.uri}: permission denied ({err}); grant the job's service account read access"
-            )
+            finally:
+                f.close()
+        except DataError as err:  # not found, permission denied, no answer in time
+            errors.bad(str(err))
             return
         if len(data) > self.max_record_bytes:
             errors.bad(

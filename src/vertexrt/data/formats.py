@@ -23,10 +23,12 @@ OnError = Literal["raise", "skip"]
 
 @dataclass(frozen=True)
 class FileSource:
-    """One data file: a URI that :func:`vertexrt.paths.open` accepts, and its size in bytes."""
+    """One data file: a URI that :func:`vertexrt.paths.open` accepts, its size in bytes, and its version
+    when listed (the Cloud Storage generation, or the local modification time; "" when unknown)."""
 
     uri: str
     size: int
+    version: str = ""
 
 
 class Errors:

@@ -3,9 +3,11 @@
 A TrainingPipeline over a managed image / text / video dataset hands the job JSONL files
 (``AIP_DATA_FORMAT=jsonl``) whose lines reference the user's objects, e.g.
 ``{"imageGcsUri": "gs://b/x.jpg", "classificationAnnotation": {"displayName": "cat"}}``. These formats
-read the lines, fetch the referenced objects in parallel (bounded concurrency, a few batches ahead of the
-consumer, retried), and map display names to integer ids that are the same on every rank (the sorted
-names of every line of every file, unless ``classes`` is given).
+read the lines, fetch the referenced objects in parallel (bounded concurrency and bytes ahead of the
+consumer, retried within the storage deadline), and map display names to integer ids that are the same
+on every rank (the sorted names of every line of every file, unless ``classes`` is given). An object is
+named by a ``gs://`` URI or a ``/gcs/`` path; anything else (a local path, ``file://``, ``http://``) is a
+bad record, never read.
 
 Records: ``{"path", "bytes" (image, video) or "text" (text), "label" (the id when the line has exactly one
 classification label, else None), "labels" (every classification id), "json" (the parsed line)}``, plus
@@ -22,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import copy
-import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from vertexrt.data._io import MAX_RECORD_BYTES, compression_for
 from vertexrt.data._lines import line_lists, locate
 from vertexrt.data.formats import Errors, FileSource, Format
-from vertexrt.errors import DataError, VertexrtError
+from vertexrt.errors import DataError, PathError, StorageError, VertexrtError
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -39,7 +40,9 @@ CLASSIFICATION = ("classificationAnnotation", "classificationAnnotations")
 BOXES = "boundingBoxAnnotations"
 SEGMENTS = "timeSegmentAnnotations"
 BATCH = 64
-"""Lines per fetch batch (and per chunk handed to the cursor machinery)."""
+"""Most lines per fetch batch (and per chunk handed to the cursor machinery)."""
+MAX_BYTES_AHEAD = 256 << 20
+"""Default bound on the fetched object bytes held ahead of the consumer."""
 
 Raw = tuple[bytes, Any, Any]
 """``(line, parsed line or None, object bytes | error message | None)``."""
@@ -56,7 +59,12 @@ class Managed(Format):
         concurrency: objects fetched at once.
         ahead: fetch batches of ``64`` lines kept in flight ahead of the consumer.
         max_record_bytes: a longer line or object is a bad record (default 256 MiB).
-        retries: attempts after a transient error (not for a missing object) before it is a bad record.
+        retries: attempts after a transient error (not for a missing object) before it is a bad record;
+            every fetch also ends by the storage deadline (``VERTEXRT_STORAGE_TIMEOUT``, see
+            :mod:`vertexrt.retries`), a stalled one as a bad record.
+        max_bytes_ahead: bytes of fetched objects held at once, the batch being consumed and those fetched
+            ahead of it (default 256 MiB, estimated by the largest object so far): fewer objects are
+            fetched ahead when they are large (at least one at a time).
     """
 
     uri_keys: ClassVar[tuple[str, ...]] = ()
@@ -71,11 +79,13 @@ class Managed(Format):
         max_record_bytes: int = MAX_RECORD_BYTES,
         retries: int = 3,
         compression: str | None = None,
+        max_bytes_ahead: int = MAX_BYTES_AHEAD,
     ):
-        if concurrency < 1 or ahead < 1 or retries < 0:
+        if concurrency < 1 or ahead < 1 or retries < 0 or max_bytes_ahead < 1:
             raise DataError(
-                f"{type(self).__name__}(concurrency={concurrency}, ahead={ahead}, retries={retries}): "
-                "concurrency and ahead must be >= 1, retries >= 0"
+                f"{type(self).__name__}(concurrency={concurrency}, ahead={ahead}, retries={retries}, "
+                f"max_bytes_ahead={max_bytes_ahead}): concurrency, ahead and max_bytes_ahead must be >= 1, "
+                "retries >= 0"
             )
         self.classes = list(classes) if classes is not None else None
         self.fetch = bool(fetch)
@@ -84,6 +94,7 @@ class Managed(Format):
         self.max_record_bytes = int(max_record_bytes)
         self.retries = int(retries)
         self.compression = compression
+        self.max_bytes_ahead = int(max_bytes_ahead)
 
     def for_sources(self, sources: Any) -> Managed:
         if self.classes is not None:
@@ -108,11 +119,15 @@ class Managed(Format):
         return new
 
     def object_uri(self, obj: dict[str, Any]) -> str | None:
-        """The URI of the object a parsed line references (None: nothing to fetch)."""
+        """The ``gs://`` URI or ``/gcs/`` path of the object a parsed line names (None: nothing to fetch).
+
+        Raises:
+            DataError: the line names something else (see :func:`checked_object_uri`).
+        """
         for key in self.uri_keys:
             value = obj.get(key)
             if isinstance(value, str) and value:
-                return value
+                return checked_object_uri(key, value)
         return None
 
     def read(
@@ -121,29 +136,49 @@ class Managed(Format):
         import orjson
 
         compression = compression_for(source.uri, self.compression)
-        fetcher = _Fetcher(self.concurrency, self.max_record_bytes, self.retries) if self.fetch else None
-        pending: deque[tuple[int, list[tuple[bytes, Any]], _Batch | None]] = deque()
+        fetcher = (
+            _Fetcher(self.concurrency, self.max_record_bytes, self.retries, self.max_bytes_ahead)
+            if self.fetch
+            else None
+        )
+        pending: deque[tuple[int, list[tuple[bytes, Any]], list[Any] | None]] = deque()
         try:
             for pos, lines in line_lists(source.uri, compression, start, errors, limit=self.max_record_bytes):
                 raws = list(filter(None, lines))
-                for i in range(0, len(raws), BATCH):
-                    parsed = []
-                    for line in raws[i : i + BATCH]:
+                i = 0
+                while i < len(raws):
+                    room = fetcher.room(BATCH) if fetcher is not None else BATCH
+                    while not room and pending:  # the byte budget is spent: hand out the oldest first
+                        yield _finish(pending.popleft(), fetcher)
+                        room = fetcher.room(BATCH) if fetcher is not None else BATCH
+                    parsed: list[tuple[bytes, Any]] = []
+                    uris: list[str | None] = []
+                    objects = 0  # lines of this batch with an object to fetch: at most ``room``
+                    while i < len(raws) and len(parsed) < BATCH and objects < max(room, 1):
                         try:
-                            obj = orjson.loads(line)
+                            obj = orjson.loads(raws[i])
                         except orjson.JSONDecodeError:
                             obj = None
-                        parsed.append((line, obj if isinstance(obj, dict) else None))
-                    uris = [self.object_uri(obj) if obj is not None else None for _, obj in parsed]
-                    batch = fetcher.submit(uris) if fetcher is not None else None
-                    pending.append((pos, parsed, batch))  # a repeated position continues the read
+                        parsed.append((raws[i], obj if isinstance(obj, dict) else None))
+                        uris.append(self._fetchable(parsed[-1][1]))
+                        objects += uris[-1] is not None
+                        i += 1
+                    fetches = fetcher.submit(uris) if fetcher is not None else None
+                    pending.append((pos, parsed, fetches))  # a repeated position continues the read
                     while len(pending) > self.ahead:
-                        yield _finish(pending.popleft())
+                        yield _finish(pending.popleft(), fetcher)
             while pending:
-                yield _finish(pending.popleft())
+                yield _finish(pending.popleft(), fetcher)
         finally:
             if fetcher is not None:
                 fetcher.close()
+
+    def _fetchable(self, obj: dict[str, Any] | None) -> str | None:
+        """The object to fetch for a parsed line; None for none, or one refused (reported at decoding)."""
+        try:
+            return self.object_uri(obj) if obj is not None else None
+        except DataError:
+            return None
 
     def ignorable(self, raw: Raw) -> bool:
         return not raw[0].strip()
@@ -320,45 +355,55 @@ def _short(classes: Sequence[str] | None) -> str:
     return str(names) if len(names) <= 20 else f"{names[:20]} ... ({len(names)} classes)"
 
 
-def _finish(item: tuple[int, list[tuple[bytes, Any]], _Batch | None]) -> tuple[int, list[Raw]]:
-    pos, parsed, batch = item
-    payloads = batch.results() if batch is not None else [None] * len(parsed)
+def checked_object_uri(key: str, value: str) -> str:
+    """``value`` when it names a Cloud Storage object: a ``gs://BUCKET/OBJECT`` URI or a
+    ``/gcs/BUCKET/OBJECT`` path (read through the mount, or as ``gs://`` when the bucket is not
+    mounted), validated by :mod:`vertexrt.uris` so that it cannot leave its bucket.
+
+    Raises:
+        DataError: anything else (a local path, ``file://``, ``http(s)://``, another scheme, a bucket alone).
+    """
+    from vertexrt import uris
+
+    problem = "it is not a gs://BUCKET/OBJECT URI or a /gcs/BUCKET/OBJECT path"
+    if uris.is_gcs(value) or uris.is_fuse(value):
+        try:
+            _, obj = uris.split(value)
+        except PathError as err:
+            problem = str(err)
+        else:
+            if obj and not obj.endswith("/"):
+                return value
+            problem = "it names a bucket or a prefix, not an object"
+    shown = uris.redact(value)
+    raise DataError(
+        f"{key}={shown[:200]!r}: {problem}; an export line names a Cloud Storage object (local paths, "
+        "file://, http(s):// and other schemes are refused): fix the export, or skip such lines with "
+        "on_error='skip'"
+    )
+
+
+def _finish(
+    item: tuple[int, list[tuple[bytes, Any]], list[Any] | None], fetcher: _Fetcher | None
+) -> tuple[int, list[Raw]]:
+    pos, parsed, fetches = item
+    payloads = (
+        fetcher.results(fetches) if fetcher is not None and fetches is not None else [None] * len(parsed)
+    )
     return pos, [(line, obj, payload) for (line, obj), payload in zip(parsed, payloads, strict=True)]
 
 
-class _Batch:
-    """The fetches of one batch of lines: one future for all its Cloud Storage objects (a single coroutine
-    on gcsfs's loop gathers them), a future per local / FUSE file, or the payload itself."""
-
-    def __init__(self, slots: list[Any], remote: list[tuple[Future[list[bytes | str]], list[int]]]):
-        self._slots = slots
-        self._remote = remote
-
-    def futures(self) -> list[Future[Any]]:
-        from concurrent.futures import Future
-
-        return [f for f, _ in self._remote] + [f for f in self._slots if isinstance(f, Future)]
-
-    def results(self) -> list[bytes | str | None]:
-        """Wait for every fetch; one payload per URI, in order."""
-        from concurrent.futures import Future
-
-        out = self._slots
-        for future, indices in self._remote:
-            for i, payload in zip(indices, future.result(), strict=True):
-                out[i] = payload
-        return [f.result() if isinstance(f, Future) else f for f in out]
-
-
 class _Fetcher:
-    """Reads whole objects, at most ``concurrency`` at once; each result is the bytes or an error message.
+    """Reads whole objects, at most ``concurrency`` at once and about ``budget`` bytes ahead of the consumer;
+    each result is the bytes or an error message.
 
-    Cloud Storage objects are fetched as coroutines on gcsfs's event loop (no thread per request), one
-    ``gather`` per batch; local and FUSE files by a thread pool. Transient errors are retried with
-    back-off; a missing object is not.
+    Cloud Storage objects are fetched as coroutines on gcsfs's event loop (no thread per request), local
+    and FUSE files by a thread pool. Every fetch runs under the storage deadline and retry policy of
+    :mod:`vertexrt.retries` (``VERTEXRT_STORAGE_TIMEOUT``, at most ``retries`` retries); a missing object
+    is not retried, and what is not a regular file (a FIFO, a device) is refused before it is opened.
     """
 
-    def __init__(self, concurrency: int, limit: int, retries: int):
+    def __init__(self, concurrency: int, limit: int, retries: int, budget: int):
         from concurrent.futures import ThreadPoolExecutor
 
         self._concurrency = concurrency
@@ -366,8 +411,28 @@ class _Fetcher:
         self._semaphores: dict[Any, Any] = {}  # event loop -> its asyncio.Semaphore(concurrency)
         self._limit = limit
         self._retries = retries
-        self._futures: list[Future[Any]] = []
+        self._budget = budget
+        self._held: list[Future[Any]] = []  # fetches started and not yet handed to the consumer
+        self._largest: int | None = None  # the largest object fetched so far (the estimate for the next)
         self._buckets: dict[str, Any] = {}  # bucket -> gcsfs: one lookup per bucket, not per object
+
+    def room(self, most: int) -> int:
+        """How many more objects may start now without holding more than the byte budget, the batch being
+        consumed included (estimated by the largest object seen so far; 1 at the start, when nothing is
+        held, to learn a size)."""
+        size = 0
+        for future in self._held:
+            if future.done():
+                payload = future.result()
+                held = len(payload) if isinstance(payload, bytes) else 0  # an error message: nothing
+                self._largest = max(self._largest or 0, held)
+                size += held
+            else:
+                size += self._largest or 0
+        if self._largest is None:
+            return 0 if self._held else 1
+        # half the budget ahead, so that with the batch the consumer holds (at most as much) it is kept
+        return max(0, min(most, (self._budget // 2 - size) // max(self._largest, 1)))
 
     def _resolve(self, uri: str) -> tuple[Any, str]:
         """``paths.filesystem(uri)``; for ``gs://`` the filesystem is looked up once per bucket (the URI is
@@ -386,14 +451,13 @@ class _Fetcher:
             return fs, path
         return fs, f"{bucket}/{obj}"
 
-    def submit(self, uris: list[str | None]) -> _Batch:
-        """Start fetching ``uris`` (None: nothing to fetch); the batch's ``results()`` waits for them."""
+    def submit(self, uris: list[str | None]) -> list[Any]:
+        """Start fetching ``uris`` (None: nothing to fetch); :meth:`results` waits for them."""
         import asyncio
 
         from fsspec.asyn import AsyncFileSystem
 
         slots: list[Any] = [None] * len(uris)
-        remote: dict[Any, list[tuple[int, Any, str, str]]] = {}  # event loop -> (index, fs, path, uri)
         for i, uri in enumerate(uris):
             if not uri:
                 continue
@@ -403,60 +467,66 @@ class _Fetcher:
                 slots[i] = f"{uri}: {err}"
                 continue
             if isinstance(fs, AsyncFileSystem) and fs.loop is not None:
-                remote.setdefault(fs.loop, []).append((i, fs, path, uri))
+                slots[i] = asyncio.run_coroutine_threadsafe(
+                    self._fetch_async(fs.loop, fs, path, uri), fs.loop
+                )
             else:
                 slots[i] = self._pool.submit(self._fetch, fs, path, uri)
-        batch = _Batch(
-            slots,
-            [
-                (asyncio.run_coroutine_threadsafe(self._fetch_all(loop, items), loop), [i for i, *_ in items])
-                for loop, items in remote.items()
-            ],
-        )
-        self._futures = [f for f in self._futures if not f.done()] + batch.futures()
-        return batch
+            self._held.append(slots[i])
+        return slots
 
-    async def _fetch_all(self, loop: Any, items: list[tuple[int, Any, str, str]]) -> list[bytes | str]:
+    def results(self, slots: list[Any]) -> list[bytes | str | None]:
+        """Wait for the fetches of :meth:`submit`; one payload per URI, in order. They are no longer held."""
+        from concurrent.futures import Future
+
+        out = [f.result() if isinstance(f, Future) else f for f in slots]
+        done = {id(f) for f in slots if isinstance(f, Future)}
+        if done:
+            self._held = [f for f in self._held if id(f) not in done]
+            sizes = [len(p) if isinstance(p, bytes) else 0 for p in out]
+            self._largest = max(self._largest or 0, *sizes)
+        return out
+
+    def _fetch(self, fs: Any, path: str, uri: str) -> bytes | str:
+        from vertexrt import paths, retries
+
+        try:
+            if paths.is_local_filesystem(fs):  # a local or FUSE file: read as such, not through fsspec
+                return self._check(uri, _read_regular(path, self._limit + 1))
+            return self._check(
+                uri,
+                retries.call(
+                    "reading",
+                    uri,
+                    fs.cat_file,
+                    path,
+                    start=0,
+                    end=self._limit + 1,
+                    attempts=self._retries + 1,
+                ),
+            )
+        except Exception as err:  # noqa: BLE001 - every failure becomes a bad-record message
+            return self._failure(uri, err)
+
+    async def _fetch_async(self, loop: Any, fs: Any, path: str, uri: str) -> bytes | str:
         import asyncio
+
+        from vertexrt import retries
 
         semaphore = self._semaphores.get(loop)
         if semaphore is None:  # created on the loop it guards
             semaphore = self._semaphores[loop] = asyncio.Semaphore(self._concurrency)
-        return await asyncio.gather(
-            *(self._fetch_async(semaphore, fs, path, uri) for _, fs, path, uri in items)
-        )
-
-    def _fetch(self, fs: Any, path: str, uri: str) -> bytes | str:
-        from vertexrt import paths
-
-        local = paths.is_local_filesystem(fs)  # a local or FUSE file: read as such, not through fsspec
-        for attempt in range(self._retries + 1):
-            try:
-                if local:
-                    with open(path, "rb") as f:  # noqa: PTH123 - ``path`` is what paths.filesystem resolved
-                        return self._check(uri, f.read(self._limit + 1))
-                return self._check(uri, fs.cat_file(path, start=0, end=self._limit + 1))
-            except Exception as err:  # noqa: BLE001 - classified below; every failure becomes a message
-                message = self._failure(uri, err, attempt)
-                if message is not None:
-                    return message
-            time.sleep(0.05 * 2**attempt)
-        raise AssertionError("unreachable")
-
-    async def _fetch_async(self, semaphore: Any, fs: Any, path: str, uri: str) -> bytes | str:
-        import asyncio
-
-        for attempt in range(self._retries + 1):
-            try:
-                async with semaphore:
-                    data = await fs._cat_file(path, start=0, end=self._limit + 1)
-                return self._check(uri, data)
-            except Exception as err:  # noqa: BLE001 - classified below; every failure becomes a message
-                message = self._failure(uri, err, attempt)
-                if message is not None:
-                    return message
-            await asyncio.sleep(0.05 * 2**attempt)
-        raise AssertionError("unreachable")
+        try:
+            async with semaphore:
+                data = await retries.call_async(
+                    "reading",
+                    uri,
+                    lambda: fs._cat_file(path, start=0, end=self._limit + 1),
+                    attempts=self._retries + 1,
+                )
+            return self._check(uri, data)
+        except Exception as err:  # noqa: BLE001 - every failure becomes a bad-record message
+            return self._failure(uri, err)
 
     def _check(self, uri: str, data: bytes) -> bytes | str:
         if len(data) > self._limit:
@@ -466,18 +536,39 @@ class _Fetcher:
             )
         return data
 
-    def _failure(self, uri: str, err: Exception, attempt: int) -> str | None:
-        """The bad-record message for ``err``, or None to retry it."""
-        if isinstance(err, FileNotFoundError):
+    def _failure(self, uri: str, err: Exception) -> str:
+        """The bad-record message for a fetch that failed for good."""
+        cause = err.__cause__ if isinstance(err, StorageError) else err
+        if isinstance(cause, FileNotFoundError):
             return f"{uri}: referenced object not found (deleted or moved after the export?)"
-        if isinstance(err, PermissionError):
-            return f"{uri}: permission denied ({err}); grant the job's service account read access"
-        if attempt >= self._retries:
-            return f"{uri}: unreadable after {attempt + 1} attempts ({type(err).__name__}: {err})"
-        return None
+        if isinstance(cause, PermissionError):
+            return f"{uri}: permission denied ({cause}); grant the job's service account read access"
+        if isinstance(err, VertexrtError):
+            return f"{uri}: {err}"
+        return f"{uri}: unreadable ({type(err).__name__}: {err})"
 
     def close(self) -> None:
         """Cancel what is still in flight and let the pool's threads go."""
-        for future in self._futures:
+        for future in self._held:
             future.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _read_regular(path: str, size: int) -> bytes:
+    """Up to ``size`` bytes of the regular file ``path``; anything else (a FIFO, a device, a socket) is
+    refused before a read could block on it."""
+    import os
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # opening a FIFO without a writer does not block
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise DataError(
+                f"{path} is not a regular file (a FIFO, device or socket could block the reader forever); "
+                "an export must name objects"
+            )
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(min(size, info.st_size + 1))  # a read of ``size`` would allocate all of it
+    finally:
+        os.close(fd)

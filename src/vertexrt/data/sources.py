@@ -12,9 +12,10 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from vertexrt.data.formats import FileSource
-from vertexrt.errors import DataError, PathError
+from vertexrt.errors import DataError, PathError, StorageError
 
 _TABLE = re.compile(
     r"^(?P<project>(?:[a-z][a-z0-9.-]*[a-z0-9]:)?[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)"
@@ -66,7 +67,9 @@ def expand_files(uri: str | Sequence[str]) -> list[FileSource]:
     """The data files ``uri`` names, sorted by URI, with their sizes.
 
     Directories are listed recursively; names starting with ``_`` or ``.`` (``_SUCCESS``, ``.crc``) are
-    skipped. Raises :class:`~vertexrt.errors.DataError` when a part matches no file or cannot be listed.
+    skipped, and so are FIFOs, devices and sockets. Listing Cloud Storage runs under the listing deadline
+    (``VERTEXRT_STORAGE_LIST_TIMEOUT``, :mod:`vertexrt.retries`). Raises :class:`~vertexrt.errors.DataError`
+    when a part matches no file or cannot be listed.
     """
     parts = [p.strip() for p in (uri.split(",") if isinstance(uri, str) else uri) if str(p).strip()]
     if not parts:
@@ -79,10 +82,19 @@ def expand_files(uri: str | Sequence[str]) -> list[FileSource]:
 
 
 def _expand_one(part: str) -> list[FileSource]:
-    from vertexrt import paths
+    from vertexrt import paths, retries
 
     fs, path = paths.filesystem(part)
     local = paths.is_local_filesystem(fs)
+
+    def ask(method: str, *args: Any, **kwargs: Any) -> Any:
+        """``fs.method(...)``; on Cloud Storage under the listing deadline and retry policy."""
+        if local:
+            return getattr(fs, method)(*args, **kwargs)
+        try:
+            return retries.call("listing", part, getattr(fs, method), *args, kind="list", **kwargs)
+        except StorageError as err:
+            raise DataError(str(err)) from err
 
     def uri_of(p: str) -> str:
         return p if local else fs.unstrip_protocol(p)
@@ -90,28 +102,35 @@ def _expand_one(part: str) -> list[FileSource]:
     hint = "check the bucket name and that the job's service account can list and read it"
     try:
         if _MAGIC.search(path):
-            entries = fs.glob(path, detail=True)
+            entries = ask("glob", path, detail=True)
             files = [
-                FileSource(uri_of(p), int(i.get("size") or 0)) for p, i in entries.items() if _is_file(i)
+                FileSource(uri_of(p), int(i.get("size") or 0), _version(i))
+                for p, i in entries.items()
+                if _is_file(i)
             ]
             if not files:
                 raise DataError(f"no file matches {part!r}; check the pattern and the directory it names")
             return files
         try:
-            info = fs.info(path)
+            info = ask("info", path)
         except FileNotFoundError:
             raise DataError(f"{part!r} does not exist; {hint}") from None
+        if info.get("type") == "other":
+            raise DataError(
+                f"{part!r} is not a regular file (a FIFO, device or socket could block the reader forever): "
+                "give data files"
+            )
         if not _is_file(info):
-            entries = fs.find(path, detail=True)
+            entries = ask("find", path, detail=True)
             files = [
-                FileSource(uri_of(p), int(i.get("size") or 0))
+                FileSource(uri_of(p), int(i.get("size") or 0), _version(i))
                 for p, i in entries.items()
                 if _is_file(i) and not _hidden(p[len(path) :])
             ]
             if not files:
                 raise DataError(f"directory {part!r} holds no data files")
             return files
-        return [FileSource(uri_of(path), int(info.get("size") or 0))]
+        return [FileSource(uri_of(path), int(info.get("size") or 0), _version(info))]
     except (DataError, PathError):
         raise
     except FileNotFoundError as err:
@@ -121,7 +140,14 @@ def _expand_one(part: str) -> list[FileSource]:
 
 
 def _is_file(info: dict[str, object]) -> bool:
-    return info.get("type") not in ("directory", "dir")
+    """A file or object: not a directory, nor a FIFO, device or socket (``"other"``: a read could block)."""
+    return info.get("type") not in ("directory", "dir", "other")
+
+
+def _version(info: dict[str, object]) -> str:
+    """What changes when a file is rewritten, even at the same size: the Cloud Storage generation, else the
+    modification time (local disk, the FUSE mount)."""
+    return str(info.get("generation") or info.get("mtime") or "")
 
 
 def _hidden(relative: str) -> bool:
