@@ -490,9 +490,10 @@ class Dataset:
         ]
         if not changed and saved.get("versions") != now["versions"]:
             changed = [
-                "files: a file was rewritten since the state was saved (same names and sizes, a new Cloud "
-                "Storage generation or modification time), so the saved positions may fall elsewhere (a job "
-                "that generates its data writes it once, not again at each start)"
+                "files: a file was rewritten since the state was saved (same names and sizes, other content "
+                "on Cloud Storage or a new modification time on local disk), so the saved positions may fall "
+                "elsewhere (a job that copies its data to local disk at each start keeps the modification "
+                "times, e.g. `cp -p`, or reads it from gs:// or /gcs/ directly)"
             ]
         if not changed:  # same counts and sizes: a file was renamed or replaced by one of the same size
             changed = [f"files: the file names changed ({now['files']})"]

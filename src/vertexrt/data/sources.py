@@ -145,9 +145,10 @@ def _is_file(info: dict[str, object]) -> bool:
 
 
 def _version(info: dict[str, object]) -> str:
-    """What changes when a file is rewritten, even at the same size: the Cloud Storage generation, else the
-    modification time (local disk, the FUSE mount)."""
-    return str(info.get("generation") or info.get("mtime") or "")
+    """What changes when a file's content changes, even at the same size: the Cloud Storage object's CRC32C
+    (an identical rewrite, e.g. data regenerated at each start, is the same data), else its generation, else
+    the modification time (local disk, the FUSE mount)."""
+    return str(info.get("crc32c") or info.get("generation") or info.get("mtime") or "")
 
 
 def _hidden(relative: str) -> bool:
