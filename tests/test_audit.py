@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from vertexrt import audit
+from vertexrt.errors import DataError
 
 
 @pytest.fixture
@@ -70,3 +71,82 @@ def test_a_fault_lands_inside_its_event(audited, fault, landed) -> None:
     events = _events(path)
     faults = [i for i, e in enumerate(events) if e[0] == "fault"]
     assert [events[i] for i in faults] == [landed]
+
+
+def _jsonl(tmp_path: Path, records: int = 50) -> Path:
+    path = tmp_path / "data" / "part.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(records)))
+    return path
+
+
+def _epochs(path: Path) -> dict[int, tuple[int, str]]:
+    found = [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == "data_epoch"]
+    return {e["epoch"]: (e["count"], e["digest"]) for e in found}
+
+
+@pytest.mark.parametrize("options", [{"shuffle": False}, {"shuffle": True, "shuffle_buffer": 16, "seed": 3}])
+def test_the_data_digest_continues_across_a_saved_and_restored_reader(audited, tmp_path, options) -> None:
+    from vertexrt.data.dataset import open_dataset
+
+    data = _jsonl(tmp_path)
+    log = audited()
+    whole = open_dataset(str(data), **options)
+    assert len(list(whole)) == 50
+    (reference,) = _epochs(log).values()
+    assert reference[0] == 50
+    log.unlink()
+    audit.reset()
+    audited()
+    first = open_dataset(str(data), **options)
+    it = iter(first)
+    head = [next(it) for _ in range(23)]
+    state = first.state_dict()
+    assert next(iter(state["cursors"].values()))["audit"]["count"] == 23
+    resumed = open_dataset(str(data), **options)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    tail = list(resumed)
+    assert sorted(r["id"] for r in head + tail) == list(range(50))
+    assert _epochs(log) == {0: reference}  # the resumed reader's epoch: the same records, once each
+
+
+def test_a_reader_that_starts_over_instead_of_resuming_is_told_apart(audited, tmp_path) -> None:
+    from vertexrt.data.dataset import open_dataset
+
+    data = _jsonl(tmp_path)
+    log = audited()
+    reference = open_dataset(str(data), shuffle=False)
+    list(reference)
+    full = _epochs(log)[0]
+    log.unlink()
+    audit.reset()
+    audited()
+    restarted = open_dataset(str(data), shuffle=False)  # the state of a reader that read 20 was not loaded
+    it = iter(restarted)
+    [next(it) for _ in range(30)]  # the rest of the epoch's worth of steps: records 0..29 again
+    restarted.set_epoch(1)
+    assert _epochs(log)[0][0] == 30 and _epochs(log)[0] != full
+
+
+def test_the_data_state_is_unchanged_without_the_audit(tmp_path, monkeypatch) -> None:
+    from vertexrt.data.dataset import open_dataset
+
+    monkeypatch.delenv(audit.DIRECTORY_VARIABLE, raising=False)
+    audit.reset()
+    data = _jsonl(tmp_path)
+    ds = open_dataset(str(data), shuffle=False)
+    it = iter(ds)
+    next(it)
+    state = ds.state_dict()
+    assert "audit" not in state["cursors"]["0"]
+    audited_state = json.loads(json.dumps(state))
+    audited_state["cursors"]["0"]["audit"] = {"count": 1, "digest": "00000000000000ff"}
+    other = open_dataset(str(data), shuffle=False)
+    other.load_state_dict(audited_state)  # a state saved under the audit loads without it
+    assert [r["id"] for r in other] == list(range(1, 50))
+    audited_state["cursors"]["0"]["audit"] = {"count": -1, "digest": "x"}
+    monkeypatch.setenv(audit.DIRECTORY_VARIABLE, str(tmp_path / "audit"))
+    audit.reset()
+    with pytest.raises(DataError, match=r"cursors\['0'\]\.audit"):
+        open_dataset(str(data), shuffle=False).load_state_dict(audited_state)
+    audit.reset()
