@@ -4,6 +4,7 @@ a script that resumes exactly and on one that forgets its optimizer state."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,64 @@ def test_a_reference_that_reports_no_steps_gives_no_certificate(local_run, tmp_p
     assert run.returncode == 1, run.output
     assert "reported 0 step(s) to vertexrt's step hooks" in run.output
     assert "no certificate" in run.output
+
+
+def _records(tmp_path: Path) -> Path:
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(32)))
+    return path
+
+
+@pytest.mark.slow
+def test_a_script_reading_a_vertexrt_dataset_is_certified_with_its_data_audit(local_run, tmp_path) -> None:
+    report = tmp_path / "chaos.json"
+    data = str(_records(tmp_path))
+    run = local_run(
+        "--chaos",
+        "3",
+        "--seed",
+        "1",
+        "--chaos-report",
+        str(report),
+        "--",
+        "chaos_data.py",
+        "--data",
+        data,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.output
+    document = json.loads(report.read_text())
+    assert document["results"][0]["data_audit"] == "2 epoch digests recorded"
+    faulted = document["results"][1:]
+    assert [r["data_audit"] for r in faulted] == ["2 of 2 epoch data digests match the reference"] * 3
+
+
+@pytest.mark.slow
+def test_a_script_that_reads_its_data_again_after_a_resume_is_named(local_run, tmp_path) -> None:
+    report = tmp_path / "chaos.json"
+    data = str(_records(tmp_path))
+    run = local_run(
+        "--chaos",
+        "2",
+        "--seed",
+        "1",
+        "--chaos-report",
+        str(report),
+        "--",
+        "chaos_data.py",
+        "--data",
+        data,
+        "--forget-data",
+        timeout=240,
+    )
+    assert run.returncode == 1, run.output
+    faulted = json.loads(report.read_text())["results"][1:]
+    for result in faulted:  # the model and the steps match: only the data audit tells
+        assert not any(
+            d.startswith(("model files", "exit code")) or "steps" in d for d in result["differences"]
+        )
+        assert any(
+            re.fullmatch(r"records of epoch \d \(reader 0\) never delivered \(count \d+ vs 32\)", d)
+            for d in result["differences"]
+        ), result
+    assert "was the data reader's state (state_dict) saved with the checkpoint and restored" in run.output

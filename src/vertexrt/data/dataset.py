@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -557,13 +558,14 @@ class Dataset:
             if first is None:
                 first = cols
             same_schema(first, cols)
+            block = cols  # Arrow rows, for the data audit
             if not self.arrow:
                 cols = cols.numpy()
             done = 0
             while done < len(cols):
                 piece = cols[done : done + size - have]
                 if tally is not None:  # every piece is handed out by the next yield
-                    tally.fold_rows(chunk.records[done : done + len(piece)].batch)
+                    tally.fold_rows(block[done : done + len(piece)].batch)
                 pending.append(piece)
                 have += len(piece)
                 done += len(piece)
@@ -774,6 +776,7 @@ class Dataset:
         state["_live"] = None
         state["_token"] = None
         state["_tallies"] = {reader: tally.detached() for reader, tally in self._tallies.items()}
+        state.pop("_audit_exit", None)
         return state
 
     # -- data audit (local-run --chaos, see vertexrt.data.digest) -------------------------------------
@@ -784,6 +787,9 @@ class Dataset:
         tally = self._tallies.get(reader)
         if tally is None or tally.epoch != self._epoch:
             tally = self._tallies[reader] = Tally(self._epoch)
+        if not self.__dict__.get("_audit_exit"):  # an epoch the process leaves unfinished is reported too
+            self._audit_exit = True
+            atexit.register(self._end_audit, False)  # keeps the dataset to the end: auditing only
         return tally
 
     def _audit_live(self, tally: Tally, leave: bool = False) -> None:
