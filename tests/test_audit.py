@@ -150,3 +150,65 @@ def test_the_data_state_is_unchanged_without_the_audit(tmp_path, monkeypatch) ->
     with pytest.raises(DataError, match=r"cursors\['0'\]\.audit"):
         open_dataset(str(data), shuffle=False).load_state_dict(audited_state)
     audit.reset()
+
+
+def test_the_data_digest_of_dataloader_workers_continues_across_a_resume(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("torch")
+    from vertexrt.data.dataset import open_dataset
+    from vertexrt.data.torch import DataLoader
+    from vertexrt.distributed.chaos.driver import data_epochs
+
+    data = _jsonl(tmp_path, 256)
+    monkeypatch.setenv(audit.REPLICA_VARIABLE, "workerpool0-0")
+
+    def loader(attempt: str) -> DataLoader:
+        monkeypatch.setenv(audit.DIRECTORY_VARIABLE, str(tmp_path / attempt / "attempt-1"))
+        audit.reset()
+        ds = open_dataset(str(data), shuffle=True, shuffle_buffer=8, seed=1, rank=0, world_size=1)
+        return DataLoader(ds, batch_size=4, num_workers=2)
+
+    try:
+        assert sum(len(b["id"]) for b in loader("reference")) == 256
+        first = loader("run")
+        batches = iter(first)
+        head = [next(batches)["id"] for _ in range(5)]
+        state = json.loads(json.dumps(first.state_dict()))
+        del batches  # the workers stop, read ahead of the state
+        monkeypatch.setenv(audit.DIRECTORY_VARIABLE, str(tmp_path / "run" / "attempt-2"))
+        audit.reset()
+        second = DataLoader(
+            open_dataset(str(data), shuffle=True, shuffle_buffer=8, seed=1, rank=0, world_size=1),
+            batch_size=4,
+            num_workers=2,
+        )
+        second.load_state_dict(state)
+        tail = [b["id"] for b in second]
+    finally:
+        audit.reset()
+    delivered = sorted(int(i) for batch in head + tail for i in batch)
+    assert delivered == list(range(256))
+    reference, run = data_epochs(tmp_path / "reference", 1), data_epochs(tmp_path / "run", 2)
+    assert sorted(reference) == [(0, 0), (0, 1)]
+    tallies = {key: (e["count"], e["digest"]) for key, e in run.items()}
+    assert tallies == {key: (e["count"], e["digest"]) for key, e in reference.items()}
+
+
+def test_the_data_digest_of_column_batches_continues_across_a_resume(audited, tmp_path) -> None:
+    from vertexrt.data.dataset import open_dataset
+
+    data = _jsonl(tmp_path)
+    log = audited()
+    options = {"shuffle": True, "shuffle_buffer": 16, "seed": 3, "columnar": True, "batch_size": 8}
+    assert sum(len(b["id"]) for b in open_dataset(str(data), **options)) == 50
+    reference = _epochs(log)
+    log.unlink()
+    audit.reset()
+    audited()
+    first = open_dataset(str(data), **options)
+    it = iter(first)
+    head = [next(it)["id"] for _ in range(3)]
+    resumed = open_dataset(str(data), **options)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    tail = [b["id"] for b in resumed]
+    assert sorted(int(i) for b in head + tail for i in b) == list(range(50))
+    assert reference[0][0] == 50 and _epochs(log) == reference
