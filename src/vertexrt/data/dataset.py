@@ -134,6 +134,7 @@ class Dataset:
         self._token: object = None
         self._fingerprint: str | None = None
         self._tallies: dict[int, Tally] = {}  # data audit (local-run --chaos): per reader, this epoch
+        self._checkpointed = False  # state_dict() or load_state_dict() called here: a resumable reader
 
     # -- public API ---------------------------------------------------------------------------------
     @property
@@ -319,6 +320,7 @@ class Dataset:
             else:
                 session["session"] = self._session and json.loads(json.dumps(self._session))
         saved = {str(reader): cursor.to_dict() for reader, cursor in sorted(cursors.items())}
+        self._checkpointed = True
         if self._tallies:
             self._audit_state(saved, topo.reader)
         return {
@@ -361,6 +363,7 @@ class Dataset:
             state
         )
         self._tallies = _tallies(state, self._epoch) if audit.active() else {}
+        self._checkpointed = True
         self._live = None
         self._token = None
         if isinstance(self.sources, TableSource):
@@ -813,10 +816,12 @@ class Dataset:
                 cursor["audit"] = tally.to_dict()
 
     def _end_audit(self, finished: bool) -> None:
-        """Report this process's reader's tally of the epoch it leaves (read to its end, or left)."""
+        """Report this process's reader's tally of the epoch it leaves (read to its end, or left), when the
+        reader is checkpointed (its state saved or loaded here; a validation reader read afresh each time is
+        not)."""
         tally = self._tallies.pop(self.topology().reader, None) if self._tallies else None
         self._tallies = {}
-        if tally is None or tally.epoch != self._epoch:
+        if tally is None or tally.epoch != self._epoch or not self._checkpointed:
             return
         if finished:
             tally.enter(None)
@@ -824,6 +829,8 @@ class Dataset:
             self._audit_live(tally, leave=True)
         audit.event(
             "data_epoch",
+            data=self.fingerprint(),
+            source=self.files[0] if self.files else str(self.sources.table_id),  # type: ignore[union-attr]
             epoch=self._epoch,
             reader=self.topology().reader,
             readers=self._readers or self.topology().readers,

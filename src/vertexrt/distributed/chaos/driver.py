@@ -105,18 +105,18 @@ def events(directory: Path, replica: str) -> list[dict[str, Any]]:
     return found
 
 
-def data_epochs(directory: Path, attempts: int) -> dict[tuple[int, int], dict[str, Any]]:
-    """The data audit of a run: per ``(epoch, reader)``, the last ``data_epoch`` tally of any replica in
-    ``attempts`` attempts; a tally read by the reporting process wins over one it only loaded from a
-    state and left (a DataLoader's main process, whose workers read)."""
-    chosen: dict[tuple[int, int], dict[str, Any]] = {}
+def data_epochs(directory: Path, attempts: int) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """The data audit of a run: per ``(dataset, epoch, reader)``, the last ``data_epoch`` tally of any
+    replica in ``attempts`` attempts; a tally read by the reporting process wins over one it only loaded
+    from a state and left (a DataLoader's main process, whose workers read)."""
+    chosen: dict[tuple[str, int, int], dict[str, Any]] = {}
     for number in range(1, attempts + 1):
         attempt_dir = directory / f"attempt-{number}"
         for path in sorted(attempt_dir.glob("*.jsonl")):
             for e in events(attempt_dir, path.stem):
                 if e["event"] != "data_epoch":
                     continue
-                key = (int(e["epoch"]), int(e["reader"]))
+                key = (str(e.get("data")), int(e["epoch"]), int(e["reader"]))
                 if e.get("read", True) or not chosen.get(key, {}).get("read", False):
                     chosen[key] = e
     return chosen
@@ -324,7 +324,9 @@ def _compare(result: Outcome, ref: Outcome, ref_dir: Path, run_dir: Path, rtol: 
 
 
 def _compare_data(
-    result: Outcome, ref: dict[tuple[int, int], dict[str, Any]], run: dict[tuple[int, int], dict[str, Any]]
+    result: Outcome,
+    ref: dict[tuple[str, int, int], dict[str, Any]],
+    run: dict[tuple[str, int, int], dict[str, Any]],
 ) -> None:
     """Each epoch's delivered records against the reference's: per reader on the same readers, else
     summed over the readers of each epoch."""
@@ -332,10 +334,14 @@ def _compare_data(
         return
     per_reader = {e.get("readers") for e in ref.values()} == {e.get("readers") for e in run.values()}
 
-    def tallies(found: dict[tuple[int, int], dict[str, Any]]) -> dict[tuple[int, int], tuple[int, int]]:
-        out: dict[tuple[int, int], tuple[int, int]] = {}
-        for (epoch, reader), e in found.items():
-            key = (epoch, reader if per_reader else -1)
+    names = {str(e.get("data")): e.get("source") for e in [*ref.values(), *run.values()]}
+
+    def tallies(
+        found: dict[tuple[str, int, int], dict[str, Any]],
+    ) -> dict[tuple[str, int, int], tuple[int, int]]:
+        out: dict[tuple[str, int, int], tuple[int, int]] = {}
+        for (data, epoch, reader), e in found.items():
+            key = (data, epoch, reader if per_reader else -1)
             count, digest = out.get(key, (0, 0))
             out[key] = (count + int(e["count"]), (digest + int(e["digest"], 16)) % (1 << 64))
         return out
@@ -346,8 +352,9 @@ def _compare_data(
         (count, digest), (ref_count, ref_digest) = ours.get(key, (0, 0)), theirs.get(key, (0, 0))
         if (count, digest) == (ref_count, ref_digest):
             continue
-        epoch, reader = key
-        which = f"records of epoch {epoch}" + (f" (reader {reader})" if reader >= 0 else "")
+        data, epoch, reader = key
+        which = f"records of epoch {epoch}" + (f" of {names[data]}" if len(names) > 1 else "")
+        which += f" (reader {reader})" if reader >= 0 else ""
         if count > ref_count:
             what = "delivered more than once"
         elif count < ref_count:
