@@ -815,6 +815,15 @@ class Dataset:
             if tally is not None and tally.epoch == self._epoch:
                 cursor["audit"] = tally.to_dict()
 
+    def _audit_identity(self) -> str:
+        """Which dataset this is, the same in every run of a job: the file names and sizes (not their
+        directory: a job may write its data under its own output directory) and the options."""
+        files = self.sources.table_id if isinstance(self.sources, TableSource) else self.files
+        names = [str(uri).rsplit("/", 1)[-1] for uri in ([files] if isinstance(files, str) else files)]
+        options = {k: v for k, v in self._options().items() if k != "versions"}
+        blob = json.dumps([names, options], sort_keys=True, default=str)
+        return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
     def _end_audit(self, finished: bool) -> None:
         """Report this process's reader's tally of the epoch it leaves (read to its end, or left), when the
         reader is checkpointed (its state saved or loaded here; a validation reader read afresh each time is
@@ -829,8 +838,8 @@ class Dataset:
             self._audit_live(tally, leave=True)
         audit.event(
             "data_epoch",
-            data=self.fingerprint(),
-            source=self.files[0] if self.files else str(self.sources.table_id),  # type: ignore[union-attr]
+            data=self._audit_identity(),
+            source=self.files[0].rsplit("/", 1)[-1] if self.files else str(self.sources.table_id),  # type: ignore[union-attr]
             epoch=self._epoch,
             reader=self.topology().reader,
             readers=self._readers or self.topology().readers,
