@@ -186,3 +186,37 @@ def test_a_script_that_reads_its_data_again_after_a_resume_is_named(local_run, t
             for d in result["differences"]
         ), result
     assert "was the data reader's state (state_dict) saved with the checkpoint and restored" in run.output
+
+
+def test_data_epochs_that_differ_are_named_per_reader_or_summed_over_readers() -> None:
+    from vertexrt.distributed.chaos.driver import Outcome, compare_data
+
+    def tallies(readers: int, *rows: tuple[int, int, int, str]) -> dict:
+        return {
+            ("d", epoch, reader): {
+                "data": "d",
+                "source": "a.jsonl",
+                "readers": readers,
+                "count": n,
+                "digest": h,
+            }
+            for epoch, reader, n, h in rows
+        }
+
+    ref = tallies(2, (0, 0, 8, "0" * 15 + "1"), (0, 1, 8, "0" * 15 + "2"), (1, 0, 8, "0" * 15 + "3"))
+    same = Outcome("run-1")
+    compare_data(same, ref, dict(ref))
+    assert (same.differences, same.data_audit) == ([], "3 of 3 epoch data digests match the reference")
+    wrong = Outcome("run-2")
+    run = tallies(2, (0, 0, 9, "0" * 15 + "1"), (0, 1, 8, "0" * 15 + "7"), (1, 0, 5, "0" * 15 + "3"))
+    compare_data(wrong, ref, run)
+    assert wrong.differences == [
+        "records of epoch 0 (reader 0) delivered more than once (count 9 vs 8)",
+        "records of epoch 0 (reader 1) delivered more than once and others never delivered (count 8 vs 8)",
+        "records of epoch 1 (reader 0) never delivered (count 5 vs 8)",
+    ]
+    other_readers = Outcome("run-3")  # the same records, read by 1 reader instead of 2: summed per epoch
+    run = tallies(1, (0, 0, 16, "0" * 15 + "3"), (1, 0, 8, "0" * 15 + "3"))
+    compare_data(other_readers, ref, run)
+    assert other_readers.differences == []
+    assert other_readers.data_audit.endswith("(summed over readers: the readers differ)")

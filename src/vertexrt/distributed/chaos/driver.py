@@ -203,7 +203,7 @@ def certify(job: JobSpec, options: Options, out: Any = None) -> int:
                 return supervisor.attempts[-1].code
             result = _outcome(name, supervisor, root / name, chief, placed, ref_profile)
             _compare(result, ref, root / "reference", root / name, options.rtol)
-            _compare_data(result, ref_data, data_epochs(root / name / "audit", len(supervisor.attempts)))
+            compare_data(result, ref_data, data_epochs(root / name / "audit", len(supervisor.attempts)))
             results.append(result)
     text = render(results, options)
     print(text, file=out or sys.stdout, flush=True)
@@ -323,7 +323,7 @@ def _compare(result: Outcome, ref: Outcome, ref_dir: Path, run_dir: Path, rtol: 
         )
 
 
-def _compare_data(
+def compare_data(
     result: Outcome,
     ref: dict[tuple[str, int, int], dict[str, Any]],
     run: dict[tuple[str, int, int], dict[str, Any]],
