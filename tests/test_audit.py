@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -221,3 +224,22 @@ def test_the_data_digest_of_column_batches_continues_across_a_resume(audited, tm
     tail = [b["id"] for b in resumed]
     assert sorted(int(i) for b in head + tail for i in b) == list(range(50))
     assert reference[0][0] == 50 and _epochs(log) == reference
+
+
+def test_records_read_through_as_tf_are_audited_once_up_to_the_process_exit(tmp_path) -> None:
+    pytest.importorskip("tensorflow")
+    data = _jsonl(tmp_path)
+    script = (
+        "import sys; from vertexrt.data.dataset import open_dataset\n"
+        "ds = open_dataset(sys.argv[1], shuffle=True, seed=3); ds.state_dict()\n"
+        "print(sorted(int(r['id']) for r in ds.as_tf().as_numpy_iterator()) == list(range(50)))\n"
+        "it = iter(ds); [next(it) for _ in range(7)]\n"  # epoch 1, left unfinished at the exit
+    )
+    env = {**os.environ, audit.DIRECTORY_VARIABLE: str(tmp_path / "audit"), audit.REPLICA_VARIABLE: "w"}
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(data)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.strip() == "True", done.stderr[-3000:]
+    found = [e for e in map(json.loads, (tmp_path / "audit" / "w.jsonl").read_text().splitlines())]
+    # as_tf's signature probe (a copy that read one record) reports nothing
+    assert [(e["epoch"], e["count"], e["finished"]) for e in found] == [(0, 50, True), (1, 7, False)]

@@ -780,6 +780,7 @@ class Dataset:
         state["_token"] = None
         state["_tallies"] = {reader: tally.detached() for reader, tally in self._tallies.items()}
         state.pop("_audit_exit", None)
+        state["_checkpointed"] = False  # a copy (a probe, a spawned worker): audited once its state is taken
         return state
 
     # -- data audit (local-run --chaos, see vertexrt.data.digest) -------------------------------------
