@@ -114,6 +114,14 @@ def _load() -> _Audit | None:
     return _audit
 
 
+def active() -> bool:
+    """True when auditing is on (``VERTEXRT_AUDIT_DIR`` set): one check of a cached flag."""
+    audit = _audit
+    if audit is _UNSET:
+        audit = _load()
+    return audit is not None
+
+
 def step(number: int) -> None:
     """Step ``number`` completed (a number not above the last one is a position report, not a step)."""
     audit = _audit

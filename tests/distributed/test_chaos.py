@@ -4,6 +4,7 @@ a script that resumes exactly and on one that forgets its optimizer state."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -124,3 +125,98 @@ def test_a_reference_that_reports_no_steps_gives_no_certificate(local_run, tmp_p
     assert run.returncode == 1, run.output
     assert "reported 0 step(s) to vertexrt's step hooks" in run.output
     assert "no certificate" in run.output
+
+
+def _records(tmp_path: Path) -> Path:
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(32)))
+    return path
+
+
+@pytest.mark.slow
+def test_a_script_reading_a_vertexrt_dataset_is_certified_with_its_data_audit(local_run, tmp_path) -> None:
+    report = tmp_path / "chaos.json"
+    data = str(_records(tmp_path))
+    run = local_run(
+        "--chaos",
+        "3",
+        "--seed",
+        "1",
+        "--chaos-report",
+        str(report),
+        "--",
+        "chaos_data.py",
+        "--data",
+        data,
+        timeout=240,
+    )
+    assert run.returncode == 0, run.output
+    document = json.loads(report.read_text())
+    assert document["results"][0]["data_audit"] == "2 epoch digests recorded"
+    faulted = document["results"][1:]
+    assert [r["data_audit"] for r in faulted] == ["2 of 2 epoch data digests match the reference"] * 3
+
+
+@pytest.mark.slow
+def test_a_script_that_reads_its_data_again_after_a_resume_is_named(local_run, tmp_path) -> None:
+    report = tmp_path / "chaos.json"
+    data = str(_records(tmp_path))
+    run = local_run(
+        "--chaos",
+        "2",
+        "--seed",
+        "1",
+        "--chaos-report",
+        str(report),
+        "--",
+        "chaos_data.py",
+        "--data",
+        data,
+        "--forget-data",
+        timeout=240,
+    )
+    assert run.returncode == 1, run.output
+    faulted = json.loads(report.read_text())["results"][1:]
+    for result in faulted:  # the model and the steps match: only the data audit tells
+        assert not any(
+            d.startswith(("model files", "exit code")) or "steps" in d for d in result["differences"]
+        )
+        assert any(
+            re.fullmatch(r"records of epoch \d \(reader 0\) never delivered \(count \d+ vs 32\)", d)
+            for d in result["differences"]
+        ), result
+    assert "was the data reader's state (state_dict) saved with the checkpoint and restored" in run.output
+
+
+def test_data_epochs_that_differ_are_named_per_reader_or_summed_over_readers() -> None:
+    from vertexrt.distributed.chaos.driver import Outcome, compare_data
+
+    def tallies(readers: int, *rows: tuple[int, int, int, str]) -> dict:
+        return {
+            ("d", epoch, reader): {
+                "data": "d",
+                "source": "a.jsonl",
+                "readers": readers,
+                "count": n,
+                "digest": h,
+            }
+            for epoch, reader, n, h in rows
+        }
+
+    ref = tallies(2, (0, 0, 8, "0" * 15 + "1"), (0, 1, 8, "0" * 15 + "2"), (1, 0, 8, "0" * 15 + "3"))
+    same = Outcome("run-1")
+    compare_data(same, ref, dict(ref))
+    assert (same.differences, same.data_audit) == ([], "3 of 3 epoch data digests match the reference")
+    wrong = Outcome("run-2")
+    run = tallies(2, (0, 0, 9, "0" * 15 + "1"), (0, 1, 8, "0" * 15 + "7"), (1, 0, 5, "0" * 15 + "3"))
+    compare_data(wrong, ref, run)
+    assert wrong.differences == [
+        "records of epoch 0 (reader 0) delivered more than once (count 9 vs 8)",
+        "records of epoch 0 (reader 1) delivered more than once and others never delivered (count 8 vs 8)",
+        "records of epoch 1 (reader 0) never delivered (count 5 vs 8)",
+    ]
+    other_readers = Outcome("run-3")  # the same records, read by 1 reader instead of 2: summed per epoch
+    run = tallies(1, (0, 0, 16, "0" * 15 + "3"), (1, 0, 8, "0" * 15 + "3"))
+    compare_data(other_readers, ref, run)
+    assert other_readers.differences == []
+    assert other_readers.data_audit.endswith("(summed over readers: the readers differ)")

@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -20,6 +21,7 @@ from functools import partial
 from itertools import chain
 from typing import TYPE_CHECKING, Any, Literal
 
+from vertexrt import audit
 from vertexrt.data.columns import Columns, concat, same_schema
 from vertexrt.data.cursor import (
     MAX_COUNT,
@@ -32,6 +34,7 @@ from vertexrt.data.cursor import (
     chunks,
     state_problem,
 )
+from vertexrt.data.digest import Tally
 from vertexrt.data.formats import Errors, FileSource, Format, OnError, format_for_uri, format_named
 from vertexrt.data.prefetch import Prefetcher
 from vertexrt.data.sharding import (
@@ -130,6 +133,8 @@ class Dataset:
         self._live: tuple[Chunk, Callable[[], int]] | None = None  # the chunk read, records consumed
         self._token: object = None
         self._fingerprint: str | None = None
+        self._tallies: dict[int, Tally] = {}  # data audit (local-run --chaos): per reader, this epoch
+        self._checkpointed = False  # state_dict() or load_state_dict() called here: a resumable reader
 
     # -- public API ---------------------------------------------------------------------------------
     @property
@@ -165,6 +170,7 @@ class Dataset:
         if epoch < 0:
             raise ConfigError(f"set_epoch({epoch}): epochs are >= 0")
         if epoch != self._epoch:
+            self._end_audit(finished=False)
             self._epoch = epoch
             self._cursors = {}
             self._plan = None
@@ -232,12 +238,15 @@ class Dataset:
         else:
             source = chunks(spec, cursor, errors)
         decode = self.format.decoder()
+        tally = self._tally(topo.reader)
         finished = False
         try:
             if self.columnar:
-                yield from zip(self._batches(source))  # one-batch tuples
+                yield from zip(self._batches(source, tally))  # one-batch tuples
             for chunk in () if self.columnar else source:
                 raws = chunk.records
+                if tally is not None:
+                    tally.enter(raws)
                 if decode is None:
                     records = iter(raws)
                     self._live = (chunk, partial(_consumed, len(raws), records))
@@ -259,6 +268,7 @@ class Dataset:
                 source.close()
             if self._token is token:
                 if finished:
+                    self._end_audit(finished=True)
                     self._epoch += 1
                     self._cursors = {}
                     self._plan = None
@@ -266,6 +276,8 @@ class Dataset:
                     live = self._live_cursor()
                     if live is not None:
                         self._cursors[topo.reader] = live
+                    if tally is not None:
+                        self._audit_live(tally, leave=True)
                 self._live = None
                 self._token = None
 
@@ -307,6 +319,10 @@ class Dataset:
                 session["session"] = session_record(planned, known)  # type: ignore[arg-type]
             else:
                 session["session"] = self._session and json.loads(json.dumps(self._session))
+        saved = {str(reader): cursor.to_dict() for reader, cursor in sorted(cursors.items())}
+        self._checkpointed = True
+        if self._tallies:
+            self._audit_state(saved, topo.reader)
         return {
             **session,
             "version": STATE_VERSION,
@@ -318,7 +334,7 @@ class Dataset:
             "elastic": self._elastic(),
             "plan": self._plan,
             "covers": sorted(self._covers | {topo.reader}),
-            "cursors": {str(reader): cursor.to_dict() for reader, cursor in sorted(cursors.items())},
+            "cursors": saved,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -346,6 +362,8 @@ class Dataset:
         self._epoch, self._cursors, self._readers, self._saved_world, self._covers, self._plan = _checked(
             state
         )
+        self._tallies = _tallies(state, self._epoch) if audit.active() else {}
+        self._checkpointed = True
         self._live = None
         self._token = None
         if isinstance(self.sources, TableSource):
@@ -421,6 +439,7 @@ class Dataset:
         self._covers = set()
         self._readers = None
         self._saved_world = None
+        self._tallies = {}  # the readers' tallies do not map onto new readers: the audit restarts
 
     def _elastic(self) -> bool:
         """True when this dataset's state can resume on another topology (contiguous shares, no buffer)."""
@@ -529,7 +548,7 @@ class Dataset:
         chunk, consumed = self._live
         return chunk.cursor_after(consumed())
 
-    def _batches(self, source: Iterator[Chunk]) -> Iterator[Any]:
+    def _batches(self, source: Iterator[Chunk], tally: Tally | None = None) -> Iterator[Any]:
         """Column batches of ``batch_size`` rows across chunk boundaries (``pyarrow.RecordBatch`` with
         ``columnar="arrow"``, else ``{name: numpy array}``, each chunk converted once); at each batch handed
         out the live cursor is right after its last row. Blocks of another schema raise a DataError."""
@@ -543,11 +562,14 @@ class Dataset:
             if first is None:
                 first = cols
             same_schema(first, cols)
+            block = cols  # Arrow rows, for the data audit
             if not self.arrow:
                 cols = cols.numpy()
             done = 0
             while done < len(cols):
                 piece = cols[done : done + size - have]
+                if tally is not None:  # every piece is handed out by the next yield
+                    tally.fold_rows(block[done : done + len(piece)].batch)
                 pending.append(piece)
                 have += len(piece)
                 done += len(piece)
@@ -757,7 +779,77 @@ class Dataset:
         state = dict(self.__dict__)
         state["_live"] = None
         state["_token"] = None
+        state["_tallies"] = {reader: tally.detached() for reader, tally in self._tallies.items()}
+        state.pop("_audit_exit", None)
+        state["_checkpointed"] = False  # a copy (a probe, a spawned worker): audited once its state is taken
         return state
+
+    # -- data audit (local-run --chaos, see vertexrt.data.digest) -------------------------------------
+    def _tally(self, reader: int) -> Tally | None:
+        """This reader's tally of the epoch when auditing, else None (one check of a cached flag)."""
+        if not audit.active():
+            return None
+        tally = self._tallies.get(reader)
+        if tally is None or tally.epoch != self._epoch:
+            tally = self._tallies[reader] = Tally(self._epoch)
+        if not self.__dict__.get("_audit_exit"):  # an epoch the process leaves unfinished is reported too
+            self._audit_exit = True
+            atexit.register(self._end_audit, False)  # keeps the dataset to the end: auditing only
+        return tally
+
+    def _audit_live(self, tally: Tally, leave: bool = False) -> None:
+        """Fold what the consumer took of the chunk being handed out; ``leave``: the pass ends here (the
+        rest of the chunk is not delivered)."""
+        if self._live is not None and not self.columnar:
+            chunk, consumed = self._live
+            if tally.chunk is chunk.records:
+                tally.catch_up(consumed())
+        if leave:
+            tally.chunk = None
+
+    def _audit_state(self, saved: dict[str, Any], reader: int) -> None:
+        """Put each reader's tally beside its cursor in a state being saved."""
+        live = self._tallies.get(reader)
+        if live is not None and self._live is not None:
+            self._audit_live(live)
+        for key, cursor in saved.items():
+            tally = self._tallies.get(int(key))
+            if tally is not None and tally.epoch == self._epoch:
+                cursor["audit"] = tally.to_dict()
+
+    def _audit_identity(self) -> str:
+        """Which dataset this is, the same in every run of a job: the file names and sizes (not their
+        directory: a job may write its data under its own output directory) and the options."""
+        files = self.sources.table_id if isinstance(self.sources, TableSource) else self.files
+        names = [str(uri).rsplit("/", 1)[-1] for uri in ([files] if isinstance(files, str) else files)]
+        options = {k: v for k, v in self._options().items() if k != "versions"}
+        blob = json.dumps([names, options], sort_keys=True, default=str)
+        return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+    def _end_audit(self, finished: bool) -> None:
+        """Report this process's reader's tally of the epoch it leaves (read to its end, or left), when the
+        reader is checkpointed (its state saved or loaded here; a validation reader read afresh each time is
+        not)."""
+        tally = self._tallies.pop(self.topology().reader, None) if self._tallies else None
+        self._tallies = {}
+        if tally is None or tally.epoch != self._epoch or not self._checkpointed:
+            return
+        if finished:
+            tally.enter(None)
+        else:
+            self._audit_live(tally, leave=True)
+        audit.event(
+            "data_epoch",
+            data=self._audit_identity(),
+            source=self.files[0].rsplit("/", 1)[-1] if self.files else str(self.sources.table_id),  # type: ignore[union-attr]
+            epoch=self._epoch,
+            reader=self.topology().reader,
+            readers=self._readers or self.topology().readers,
+            count=tally.count,
+            digest=f"{tally.digest:016x}",
+            finished=finished,
+            read=tally.read,
+        )
 
     def __repr__(self) -> str:
         what = (
@@ -976,6 +1068,8 @@ def _checked(
             raise DataError(
                 state_problem(f"cursors[{key!r}]", key, f"is not a reader of 0..{(readers or 1) - 1}")
             )
+        if isinstance(value, dict) and "audit" in value:  # a data audit tally (see _tallies)
+            value = {k: v for k, v in value.items() if k != "audit"}
         cursors[reader] = Cursor.from_dict(value, f"cursors[{key!r}]")
     if cursors and readers is None:
         raise DataError(state_problem("readers", readers, "is missing beside the cursors"))
@@ -1000,6 +1094,15 @@ def _checked(
             )
         intervals.append((a, b))
     return epoch, cursors, readers, world, set(listed), intervals
+
+
+def _tallies(state: dict[str, Any], epoch: int) -> dict[int, Tally]:
+    """The data audit tallies saved beside a checked state's cursors (none in a state saved unaudited)."""
+    return {
+        int(key): Tally.from_dict(epoch, cursor["audit"], f"cursors[{key!r}].audit")
+        for key, cursor in state.get("cursors", {}).items()
+        if isinstance(cursor, dict) and "audit" in cursor
+    }
 
 
 def _within(plan: list[tuple[int, int]] | None, total: int) -> list[tuple[int, int]]:

@@ -8,9 +8,11 @@ the schedule placed it: the replica signals itself from inside that event, the l
 
 A faulted run matches when its exit code, every file under ``AIP_MODEL_DIR`` (byte for byte, or within
 ``--chaos-rtol`` where a file parses), its last hypertune report and its count of optimizer steps equal
-the reference's. The report has one row per run (fault, where it landed, resumed from, steps repeated or
-lost, what differed, the preemption latency: seconds and steps from the notice to the committed save),
-a summary line, hints where a difference says what was forgotten, and ``--chaos-report FILE`` as JSON.
+the reference's, and so does the data audit where vertexrt readers are used: per epoch and reader, the
+count and digest of the records delivered (:mod:`vertexrt.data.digest`). The report has one row per run
+(fault, where it landed, resumed from, steps repeated or lost, what differed, the preemption latency:
+seconds and steps from the notice to the committed save), a summary line, hints where a difference says
+what was forgotten, and ``--chaos-report FILE`` as JSON.
 """
 
 from __future__ import annotations
@@ -103,6 +105,23 @@ def events(directory: Path, replica: str) -> list[dict[str, Any]]:
     return found
 
 
+def data_epochs(directory: Path, attempts: int) -> dict[tuple[str, int, int], dict[str, Any]]:
+    """The data audit of a run: per ``(dataset, epoch, reader)``, the last ``data_epoch`` tally of any
+    replica in ``attempts`` attempts; a tally read by the reporting process wins over one it only loaded
+    from a state and left (a DataLoader's main process, whose workers read)."""
+    chosen: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for number in range(1, attempts + 1):
+        attempt_dir = directory / f"attempt-{number}"
+        for path in sorted(attempt_dir.glob("*.jsonl")):
+            for e in events(attempt_dir, path.stem):
+                if e["event"] != "data_epoch":
+                    continue
+                key = (str(e.get("data")), int(e["epoch"]), int(e["reader"]))
+                if e.get("read", True) or not chosen.get(key, {}).get("read", False):
+                    chosen[key] = e
+    return chosen
+
+
 def profile(directory: Path, chief: str) -> schedule.Profile:
     """What the reference showed on its chief (its first and only attempt)."""
     seen = events(directory / "attempt-1", chief)
@@ -133,6 +152,7 @@ class Outcome:
     hints: list[str] = field(default_factory=list)
     within_rtol: list[str] = field(default_factory=list)
     note: str = ""
+    data_audit: str = ""
 
     @property
     def matches(self) -> bool:
@@ -156,6 +176,9 @@ def certify(job: JobSpec, options: Options, out: Any = None) -> int:
         _say("interrupted: no certificate")
         return reference.attempts[-1].code
     ref = _outcome("reference", reference, root / "reference", chief, None, schedule.Profile(0))
+    ref_data = data_epochs(root / "reference" / "audit", 1)
+    if ref_data:
+        ref.data_audit = f"{len(ref_data)} epoch digests recorded"
     ref_profile = profile(root / "reference" / "audit", chief)
     ref.steps = ref_profile.steps
     if reference.attempts[-1].outcome != "succeeded":
@@ -180,6 +203,7 @@ def certify(job: JobSpec, options: Options, out: Any = None) -> int:
                 return supervisor.attempts[-1].code
             result = _outcome(name, supervisor, root / name, chief, placed, ref_profile)
             _compare(result, ref, root / "reference", root / name, options.rtol)
+            compare_data(result, ref_data, data_epochs(root / name / "audit", len(supervisor.attempts)))
             results.append(result)
     text = render(results, options)
     print(text, file=out or sys.stdout, flush=True)
@@ -299,6 +323,57 @@ def _compare(result: Outcome, ref: Outcome, ref_dir: Path, run_dir: Path, rtol: 
         )
 
 
+def compare_data(
+    result: Outcome,
+    ref: dict[tuple[str, int, int], dict[str, Any]],
+    run: dict[tuple[str, int, int], dict[str, Any]],
+) -> None:
+    """Each epoch's delivered records against the reference's: per reader on the same readers, else
+    summed over the readers of each epoch."""
+    if not ref and not run:
+        return
+    per_reader = {e.get("readers") for e in ref.values()} == {e.get("readers") for e in run.values()}
+
+    names = {str(e.get("data")): e.get("source") for e in [*ref.values(), *run.values()]}
+
+    def tallies(
+        found: dict[tuple[str, int, int], dict[str, Any]],
+    ) -> dict[tuple[str, int, int], tuple[int, int]]:
+        out: dict[tuple[str, int, int], tuple[int, int]] = {}
+        for (data, epoch, reader), e in found.items():
+            key = (data, epoch, reader if per_reader else -1)
+            count, digest = out.get(key, (0, 0))
+            out[key] = (count + int(e["count"]), (digest + int(e["digest"], 16)) % (1 << 64))
+        return out
+
+    ours, theirs = tallies(run), tallies(ref)
+    differ = []
+    for key in sorted({*ours, *theirs}):
+        (count, digest), (ref_count, ref_digest) = ours.get(key, (0, 0)), theirs.get(key, (0, 0))
+        if (count, digest) == (ref_count, ref_digest):
+            continue
+        data, epoch, reader = key
+        which = f"records of epoch {epoch}" + (f" of {names[data]}" if len(names) > 1 else "")
+        which += f" (reader {reader})" if reader >= 0 else ""
+        if count > ref_count:
+            what = "delivered more than once"
+        elif count < ref_count:
+            what = "never delivered"
+        else:
+            what = "delivered more than once and others never delivered"
+        differ.append(f"{which} {what} (count {count} vs {ref_count})")
+    matched = len(theirs) - sum(1 for key in theirs if ours.get(key) != theirs[key])
+    result.data_audit = f"{matched} of {len(theirs)} epoch data digests match the reference" + (
+        "" if per_reader else " (summed over readers: the readers differ)"
+    )
+    result.differences.extend(differ)
+    if differ:
+        result.hints.append(
+            f"the data delivered differs from the reference {_after(result)}: was the data reader's state "
+            "(state_dict) saved with the checkpoint and restored (load_state_dict) before reading on?"
+        )
+
+
 def _after(result: Outcome) -> str:
     landed = result.landed[0] if result.landed else "the fault"
     resumed = next((r for r in result.resumed_from if r is not None), None)
@@ -336,6 +411,8 @@ def render(results: list[Outcome], options: Options) -> str:
         for note in (r.note, *r.hints):
             if note:
                 lines.append(f"{r.name}: {note}")
+        if r.data_audit:
+            lines.append(f"{r.name}: data audit: {r.data_audit}")
         if r.within_rtol:
             lines.append(f"{r.name}: within --chaos-rtol {options.rtol:g}: " + ", ".join(r.within_rtol))
     failed = [r for r in results[1:] if not r.matches]
