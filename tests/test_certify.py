@@ -31,10 +31,15 @@ class Example:
 EXAMPLES = [
     Example("plain_loop.py", ("--records", "200", "--epochs", "2", "--checkpoint-every", "50"), workers=2),
     Example("torch_classifier.py", ("--epochs", "2", "--records", "256", "--checkpoint-every", "5"), runs=1),
+    Example(
+        "torch_classifier.py",
+        ("--epochs", "2", "--records", "256", "--checkpoint-every", "5"),
+        workers=2,
+        runs=1,
+    ),
+    Example("lightning_classifier.py", workers=2, seed=5),  # issue 19's Done-when command
     # quickstart.py trains nothing (no step to fault); checkpoint_resume.py has no vertexrt step hook
-    # (it drives a CheckpointManager alone, without @main, ctx.step() or the Trainer).
-    # After issue 19's fixes merge: lightning_classifier.py, hf_trainer.py, keras_classifier.py (MWMS, 2
-    # workers) and the FSDP path, each one line here.
+    # (it drives a CheckpointManager alone, without @main, ctx.step() or the Trainer) and exports no model.
 ]
 
 
@@ -53,7 +58,7 @@ def _cases() -> list[object]:
                     seed,
                     count,
                     limit,
-                    id=f"{example.script}-seed{seed}",
+                    id=f"{example.script}-{example.workers}w-seed{seed}",
                     marks=pytest.mark.timeout(limit),
                 )
             )
