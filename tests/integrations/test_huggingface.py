@@ -145,6 +145,30 @@ def test_preempted_on_an_epochs_last_batch_resumes_the_next_epoch_to_the_uninter
     assert all(torch.equal(expected[k], got[k]) for k in expected)  # bitwise
 
 
+def test_commits_and_the_resume_are_audited_for_the_fault_certificate(
+    job: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`local-run --chaos` reads these events: without them its report said "resumed from start" and
+    "no save committed after the notice" for a run that resumed from its preemption save."""
+    from vertexrt import audit
+
+    monkeypatch.setenv(audit.DIRECTORY_VARIABLE, str(job / "audit"))
+    monkeypatch.setenv(audit.REPLICA_VARIABLE, "workerpool0-0")
+    monkeypatch.setenv(audit.PLAN_VARIABLE, "{}")
+    audit.reset()
+    try:
+        train(VertexTrainerCallback(str(job / "ckpt")), max_steps=8)
+        VertexTrainerCallback(str(job / "ckpt")).resume_from_checkpoint()
+    finally:
+        audit.reset()
+    events = [json.loads(line) for line in (job / "audit" / "workerpool0-0.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["step"]) for e in events if e["event"] != "step"] == [
+        ("commit", 4),
+        ("commit", 8),
+        ("resume", 8),
+    ]
+
+
 def test_ignore_data_skip_is_warned_about_when_training_starts(
     job: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

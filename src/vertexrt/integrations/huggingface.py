@@ -190,6 +190,7 @@ class VertexTrainerCallback(TrainerCallback):
         if not steps:
             return None
         name = f"checkpoint-{steps[-1]}"
+        audit.event("resume", step=steps[-1])
         if not self.remote:
             return log_resuming(
                 paths.join(self.output_dir, name), steps[-1], result=paths.join(self.output_dir, name)
@@ -301,6 +302,7 @@ class VertexTrainerCallback(TrainerCallback):
                     fs, root = paths.filesystem(paths.join(self.output_dir, f"checkpoint-{old}"))
                     fs.rm(root, recursive=True)
         _barrier()  # nobody exits before the marker is written
+        audit.event("commit", step=step)
         log.info("committed %s", paths.redact(target))
 
     def _remove_marker(self, step: int) -> None:
