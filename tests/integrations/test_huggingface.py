@@ -129,10 +129,9 @@ def test_preempted_run_commits_exits_143_and_resumes_to_the_uninterrupted_weight
 def test_preempted_on_an_epochs_last_batch_resumes_the_next_epoch_to_the_uninterrupted_weights(
     job: Path, evaluation: dict[str, Any]
 ) -> None:
-    """With evaluation each epoch, the epoch's evaluation runs before the preemption save: saved before it,
-    (or a periodic save at that step exiting) the resume skipped it and the random draw its DataLoader
-    takes, so epoch 1's dropout masks differed
-    (found by `local-run --chaos` on examples/hf_trainer.py)."""
+    """With evaluation each epoch, that evaluation must come before the preemption save: saved before it
+    (also when a periodic save of that step exited), the resume skipped it and the random draw its
+    DataLoader takes, so epoch 1's dropout masks differed (found by `local-run --chaos` on hf_trainer.py)."""
     reference = train(VertexTrainerCallback(str(job / "reference")), max_steps=24, **evaluation)  # 2 x 12
     first = VertexTrainerCallback(str(job / "preempted"))
     with pytest.raises(SystemExit):
