@@ -5,6 +5,9 @@ in for Cloud Storage as the /gcs/ FUSE mount. Prints the resolved environment, t
 job's model directory through ``vertexrt.paths`` and reads it back through the ``gs://`` form of its name.
 
 Run: python examples/quickstart.py
+
+It trains nothing, so the seeded fault certificate (``vertexrt local-run --chaos``) has no step to fault here;
+the training examples are certified by tests/test_certify.py.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ It runs as it would on Vertex AI, and the same way on this machine:
     vertexrt local-run --workers 2 -- python examples/torch_classifier.py
     vertexrt local-run --workers 2 --preempt-after 15 -- python examples/torch_classifier.py --hold-at-step 20
     torchrun --standalone --nproc_per_node 2 examples/torch_classifier.py
+    vertexrt local-run --workers 2 -- python examples/torch_classifier.py --fsdp     # FSDP2 instead of DDP
 
 Data: unless ``--data`` or ``AIP_TRAINING_DATA_URI`` names real data, the chief first writes synthetic
 3-class data (4 JSONL shards, or TFRecord ``tf.train.Example`` shards with ``--format tfrecord``, plus a
@@ -64,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-every", type=int, default=20, help="steps between checkpoints")
     parser.add_argument("--log-every", type=float, default=5.0, help="seconds between progress lines")
     parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model's layers with FSDP2 (fully_shard) instead of DistributedDataParallel",
+    )
+    parser.add_argument(
         "--record-log", default=None, help="directory: each rank logs the record ids it trains on"
     )
     parser.add_argument(
@@ -79,6 +85,27 @@ def build_model() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES)
     )
+
+
+def shard(model: torch.nn.Module, ctx: vertexrt.Context) -> None:
+    """FSDP2: each layer's parameters, then the root's, sharded over the ranks. The Trainer sees the
+    DTensors: it does not wrap the model in DDP, and every rank checkpoints its own shards (through
+    torch.distributed.checkpoint)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    for layer in model.children():
+        if any(p.requires_grad for p in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded ``state_dict`` of an FSDP2 model, on the chief (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 # ---- synthetic data, written once by the chief ---------------------------------------------------
@@ -166,6 +193,8 @@ class Classifier(vertexrt.Trainer):
         # A bare module: with several replicas fit() wraps it in DistributedDataParallel (Trainer(ddp=False)
         # opts out); checkpoints and export() see the bare module.
         self.model = build_model().to(ctx.device)
+        if args.fsdp:
+            shard(self.model, ctx)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=args.lr, momentum=0.9)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=40, gamma=0.5)
         train = vertexrt.data.open_dataset(
@@ -223,18 +252,28 @@ class Classifier(vertexrt.Trainer):
         return {"accuracy": (correct / total, total), "val_loss": (loss_sum / total, total)}
 
     def export(self, model_dir: str) -> None:
-        buffer = io.BytesIO()
-        torch.save(self.model.state_dict(), buffer)  # the bare module, also after DDP wrapping
-        with paths.open(paths.join(model_dir, "model.pt"), "wb") as f:
-            f.write(buffer.getvalue())
+        if not self.args.fsdp:  # a sharded model is gathered by every rank after fit(): see main()
+            save_state_dict(self.model.state_dict(), model_dir)  # the bare module, also after DDP wrapping
         shape = {"features": FEATURES, "hidden": HIDDEN, "classes": CLASSES, "trained_steps": self.step}
         with paths.open(paths.join(model_dir, "model.json"), "w") as f:
             f.write(json.dumps(shape))
 
 
+def save_state_dict(state: dict[str, torch.Tensor], model_dir: str) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with paths.open(paths.join(model_dir, "model.pt"), "wb") as f:
+        f.write(buffer.getvalue())
+
+
 @vertexrt.main(framework="torch", parser=build_parser())
 def main(ctx: vertexrt.Context, args: argparse.Namespace) -> None:
-    metrics = Classifier(ctx, args).fit()
+    trainer = Classifier(ctx, args)
+    metrics = trainer.fit()
+    if args.fsdp:  # export() runs on the chief only; gathering the shards needs every rank
+        state = full_state_dict(trainer.model)
+        if ctx.is_chief:
+            save_state_dict(state, ctx.env.model_dir)
     if ctx.is_chief:
         shown = " ".join(f"{name}={value:.4f}" for name, value in metrics.items())
         logger.info("final %s; model exported to %s", shown, paths.join(ctx.env.model_dir, "model.pt"))

@@ -80,6 +80,23 @@ def test_model_files_compare_by_bytes_or_within_rtol(tmp_path: Path) -> None:
     assert outputs.compare_files(ref, run, rtol=1e-6).differ == ["sub/model.json"]
 
 
+def test_a_saved_model_is_compared_by_its_variables_not_its_function_ids(tmp_path: Path) -> None:
+    """Saved twice, the same weights make different SavedModel bytes (TensorFlow numbers each traced function
+    per process, as a resumed run traces more): equal variables match; one changed weight does not."""
+    tf = pytest.importorskip("tensorflow")
+    module = tf.Module()
+    module.w = tf.Variable([1.0, 2.0])
+    module.call = tf.function(lambda x: x * module.w, input_signature=[tf.TensorSpec([2])])
+    for name in ("ref", "run"):
+        tf.saved_model.save(module, str(tmp_path / name / "model"))
+    files = outputs.compare_files(tmp_path / "ref", tmp_path / "run", rtol=None)
+    assert not files and "model/saved_model.pb" in files.by_variables, files
+    module.w.assign([1.0, 2.5])
+    tf.saved_model.save(module, str(tmp_path / "changed" / "model"))
+    files = outputs.compare_files(tmp_path / "ref", tmp_path / "changed", rtol=None)
+    assert "model/variables/variables.data-00000-of-00001" in files.differ and not files.by_variables
+
+
 @pytest.mark.slow
 def test_a_script_that_resumes_exactly_is_certified(local_run, tmp_path: Path) -> None:
     report = tmp_path / "chaos.json"

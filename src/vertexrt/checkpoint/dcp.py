@@ -25,6 +25,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from vertexrt import audit
 from vertexrt.checkpoint import collective, datafiles, restoring, storage
 from vertexrt.checkpoint import manifest as fmt
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, StepExistsError
@@ -154,6 +155,7 @@ def save(mgr: Any, step: int, state: Any, metrics: dict[str, float], overwrite: 
             "replace it atomically, or save a new step number"
         )
     state_dict, _ = _to_state_dict(state, "state")
+    audit.event("save", step=step, asynchronous=False)
     write_dir = strategy.begin(step, token)
     writer = _writer_class()(mgr, step, write_dir, token, metrics, overwrite)
     try:
@@ -175,6 +177,7 @@ def save(mgr: Any, step: int, state: Any, metrics: dict[str, float], overwrite: 
             mgr._retire(step, writer.replaced, writer.manifest)
         mgr._retention.apply(step, token)
     log.info("sharded checkpoint step %d committed in %s", step, mgr.directory)
+    audit.event("commit", step=step)
 
 
 def _tensor_bytes(tensor: Any) -> Any:
@@ -316,6 +319,7 @@ def restore(mgr: Any, target: Any, step: int | None) -> Any:
             continue
         mgr.restored_step = s
         mgr._last = (s, None)
+        audit.event("resume", step=s)
         return result
     if failures:
         raise CheckpointError(

@@ -124,7 +124,8 @@ class VertexTrainerCallback(TrainerCallback):
         self._staging = staging_dir
         self.metric = metric
         self._preemption: Any = None  # a vertexrt.runtime.vote.PreemptionAgreement while training
-        self._stopping = False
+        self._stopping = False  # the next save is the preemption save: exit 143 after it
+        self._after_epoch = False  # the notice came at an epoch's last step: save after the epoch's end
 
     @property
     def local_dir(self) -> str:
@@ -189,6 +190,7 @@ class VertexTrainerCallback(TrainerCallback):
         if not steps:
             return None
         name = f"checkpoint-{steps[-1]}"
+        audit.event("resume", step=steps[-1])
         if not self.remote:
             return log_resuming(
                 paths.join(self.output_dir, name), steps[-1], result=paths.join(self.output_dir, name)
@@ -229,16 +231,28 @@ class VertexTrainerCallback(TrainerCallback):
                 "False"
             )
         self._preemption = PreemptionAgreement()
-        self._stopping = False
+        self._stopping = self._after_epoch = False
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         audit.step(state.global_step)  # `local-run --chaos` counts steps and places faults here
         if self._preemption is None or not self._preemption():
             return
+        if state.epoch is not None and float(state.epoch).is_integer():
+            # an epoch's last step: the epoch's evaluation (and the random draw its DataLoader takes) comes
+            # before the save, as in an uninterrupted run (a periodic save at this step does not exit yet)
+            log.warning("preemption notice: saving checkpoint-%d after this epoch's end", state.global_step)
+            self._after_epoch = True
+            return
         log.warning("preemption notice: saving checkpoint-%d, then exiting", state.global_step)
         self._stopping = True
         control.should_save = True
         control.should_training_stop = True
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._after_epoch:
+            self._stopping = True
+            control.should_save = True
+            control.should_training_stop = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._commit(state.global_step, state.is_world_process_zero, args.save_total_limit)
@@ -288,6 +302,7 @@ class VertexTrainerCallback(TrainerCallback):
                     fs, root = paths.filesystem(paths.join(self.output_dir, f"checkpoint-{old}"))
                     fs.rm(root, recursive=True)
         _barrier()  # nobody exits before the marker is written
+        audit.event("commit", step=step)
         log.info("committed %s", paths.redact(target))
 
     def _remove_marker(self, step: int) -> None:

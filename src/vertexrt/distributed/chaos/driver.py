@@ -151,6 +151,7 @@ class Outcome:
     differences: list[str] = field(default_factory=list)
     hints: list[str] = field(default_factory=list)
     within_rtol: list[str] = field(default_factory=list)
+    by_variables: list[str] = field(default_factory=list)
     note: str = ""
     data_audit: str = ""
 
@@ -300,7 +301,7 @@ def _compare(result: Outcome, ref: Outcome, ref_dir: Path, run_dir: Path, rtol: 
     if result.code != ref.code:
         result.differences.append(f"exit code {result.code} (reference {ref.code})")
     files = outputs.compare_files(ref_dir / "model", run_dir / "model", rtol)
-    result.within_rtol = files.within_rtol
+    result.within_rtol, result.by_variables = files.within_rtol, files.by_variables
     if files:
         result.differences.append("model files " + files.describe())
         result.hints.append(f"the model differs from the reference {after}: " + _forgotten(result))
@@ -415,6 +416,9 @@ def render(results: list[Outcome], options: Options) -> str:
             lines.append(f"{r.name}: data audit: {r.data_audit}")
         if r.within_rtol:
             lines.append(f"{r.name}: within --chaos-rtol {options.rtol:g}: " + ", ".join(r.within_rtol))
+        if r.by_variables:
+            shown = ", ".join(r.by_variables)
+            lines.append(f"{r.name}: same SavedModel variables, other function ids: {shown}")
     failed = [r for r in results[1:] if not r.matches]
     faulted = len(results) - 1
     if not ref.matches:

@@ -2,7 +2,9 @@
 
 Files are compared byte for byte; with ``rtol``, a file that differs and parses (JSON, NumPy ``.npy`` /
 ``.npz``, a torch file of tensors) is compared number by number within that relative tolerance, and the
-report names the files that needed it.
+report names the files that needed it. A TensorFlow SavedModel whose files differ is compared by its
+variables, by name and value: its graph files name functions with per-process counters
+(``__inference__traced_restore_4115``), so two runs that trained the same weights write different bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class FileDifference:
     extra: list[str] = field(default_factory=list)
     differ: list[str] = field(default_factory=list)
     within_rtol: list[str] = field(default_factory=list)
+    by_variables: list[str] = field(default_factory=list)  # SavedModel files whose variables are equal
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.extra or self.differ)
@@ -56,7 +59,61 @@ def compare_files(reference: Path, run: Path, rtol: float | None) -> FileDiffere
             result.within_rtol.append(name)
         else:
             result.differ.append(name)
+    roots = {_saved_model_root(reference, name) for name in result.differ}
+    for root in sorted(r for r in roots if r is not None):
+        if _same_variables(reference / root, run / root, rtol):
+            inside = [n for n in result.differ if _saved_model_root(reference, n) == root]
+            result.differ = [n for n in result.differ if n not in inside]
+            result.by_variables.extend(inside)
     return result
+
+
+def _saved_model_root(reference: Path, name: str) -> str | None:
+    """The directory (relative) of the SavedModel that holds file ``name``, or None."""
+    parts = name.split("/")
+    for end in range(len(parts) - 1, -1, -1):
+        root = "/".join(parts[:end])
+        if (reference / root / "saved_model.pb").is_file():
+            return root
+    return None
+
+
+def _same_variables(a: Path, b: Path, rtol: float | None) -> bool:
+    """Whether two SavedModels hold the same variables: the same names and the same values, exactly as a
+    whole (the object graph may list the same variables in another order, e.g. tf-keras's
+    ``_all_variables``), or each name within ``rtol``."""
+    left, right = _variables(a), _variables(b)
+    if left is None or right is None or left.keys() != right.keys():
+        return False
+
+    def values(named: dict[str, Any]) -> list[tuple[str, tuple[int, ...], bytes]]:
+        return sorted((str(x.dtype), x.shape, x.tobytes()) for x in named.values())
+
+    if values(left) == values(right):
+        return True
+    if rtol is None:
+        return False
+    import numpy as np
+
+    for name, x in left.items():
+        y = right[name]
+        if x.shape != y.shape or x.dtype != y.dtype or not np.issubdtype(x.dtype, np.number):
+            return False
+        if not np.allclose(x, y, rtol=rtol, atol=rtol):
+            return False
+    return True
+
+
+def _variables(saved_model: Path) -> dict[str, Any] | None:
+    """A SavedModel's variables by name (its object graph, which names functions, left out), or None."""
+    try:
+        import tensorflow as tf
+
+        reader = tf.train.load_checkpoint(str(saved_model / "variables" / "variables"))
+        names = [n for n in reader.get_variable_to_shape_map() if n != "_CHECKPOINTABLE_OBJECT_GRAPH"]
+        return {n: reader.get_tensor(n) for n in names}
+    except Exception:  # noqa: BLE001 - not readable (or no TensorFlow): compared by bytes only
+        return None
 
 
 def last_report(metric_file: Path) -> dict[str, Any] | None:
