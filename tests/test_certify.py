@@ -31,8 +31,7 @@ class Example:
 
 EXAMPLES = [
     Example("plain_loop.py", ("--records", "200", "--epochs", "2", "--checkpoint-every", "50"), workers=2),
-    Example("torch_classifier.py", ("--epochs", "2", "--records", "256", "--checkpoint-every", "5"), runs=1),
-    Example(
+    Example(  # 2 replicas (DDP); one replica is the same code path without the wrapper
         "torch_classifier.py",
         ("--epochs", "2", "--records", "256", "--checkpoint-every", "5"),
         workers=2,
