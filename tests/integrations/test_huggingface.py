@@ -231,7 +231,7 @@ def test_example_two_replicas_preempted_resumes_to_the_same_weights(tmp_path: Pa
     # (saves are at 10, 20, ...) until the SIGTERM; the ranks agree to stop within ~2 vote intervals (0.1 s
     # each), which is a few steps later when steps take milliseconds
     bucket = f"gs://{gcs_server.bucket}/{tmp_path.name}"
-    preempted = local_run(tmp_path, bucket, ["--preempt-after", f"{elapsed + 5:.0f}", "--grace", "60"],
+    preempted = local_run(tmp_path, bucket, ["--preempt-after", f"{2 * elapsed + 10:.0f}", "--grace", "60"],
                           ["--epochs", "1", "--hold-at-step", "5"])  # fmt: skip
     out = preempted.stdout
     assert preempted.returncode == 0, out[-5000:]

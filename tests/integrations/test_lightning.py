@@ -123,7 +123,7 @@ def test_example_preempted_mid_epoch_or_on_an_epochs_last_batch_resumes_to_the_s
     # save a step or two later (22 seen for 20): mid-epoch 1, and the last batch of epoch 1 (16 per epoch)
     for hold in (20, 30):
         name = f"preempted-{hold}"
-        preempted = local_run(tmp_path, name, ["--preempt-after", f"{elapsed + 5:.0f}", "--grace", "60"],
+        preempted = local_run(tmp_path, name, ["--preempt-after", f"{2 * elapsed + 10:.0f}", "--grace", "60"],
                               ["--hold-at-step", str(hold)])  # fmt: skip
         out = preempted.stdout
         assert preempted.returncode == 0, out[-5000:]

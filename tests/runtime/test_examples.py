@@ -66,7 +66,7 @@ def test_torch_example_preempted_mid_epoch_resumes_to_the_same_weights(tmp_path:
     elapsed = time.monotonic() - started
 
     # Preempt once the job is surely training: the first attempt holds at step 20 until the SIGTERM.
-    preempt_after = f"{elapsed + 3:.0f}"
+    preempt_after = f"{2 * elapsed + 10:.0f}"
     preempted, run_dir = local_run(
         tmp_path, "preempted", ["--preempt-after", preempt_after, "--grace", "60"], ["--hold-at-step", "20"]
     )
