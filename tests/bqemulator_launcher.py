@@ -30,6 +30,7 @@ import copy
 import json
 import os
 import re
+import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -177,7 +178,20 @@ def _shift(state: Any, n: int) -> None:
         streams[i].start_row = streams[i - 1].end_row = i * chunk + shift
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this server when the process that started it dies. Done here, after exec, and not
+    in a ``preexec_fn``: that makes Popen fork() (not vfork) a parent holding gRPC client threads, whose fork
+    handlers then ran in the child and killed it before exec ("epoll_wait error: Bad file descriptor")."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() remains the way to end it
+
+
 def main() -> None:
+    _die_with_parent()
     os.environ.setdefault("BQEMU_ENABLE_FORMAT_EXTENSIONS", "false")
     _patch()
     from bqemulator.cli import main as cli
@@ -220,16 +234,12 @@ class BigQueryEmulator:
         import time
         import urllib.request
 
-        from vertexrt.emulator import _die_with_parent
-
         command = [self.python, __file__, "start", "--rest-port", "0", "--grpc-port", "0"]
         command += ["--log-level", "info", "--log-format", "json"]
         env = {**os.environ, **self.env, "BQEMU_ENABLE_FORMAT_EXTENSIONS": "false"}
         with open(self.log_path, "ab") as log:
             start_at = log.tell()
-            self._process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent
-            )
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         ports: dict[str, int] = {}
         while True:
