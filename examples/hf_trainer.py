@@ -20,7 +20,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from vertexrt import paths
 from vertexrt.env import environment
 from vertexrt.integrations.huggingface import VertexTrainerCallback
-from vertexrt.runtime.signals import preemption_signal
+from vertexrt.preemption.signals import preemption_signal
 
 VOCAB, LENGTH, SAMPLES = 64, 16, 256
 

@@ -57,7 +57,7 @@ def hold_at(step: int | None) -> list[object]:
     so `vertexrt local-run --preempt-after S` preempts mid-epoch whatever the machine's speed."""
     import tensorflow as tf
 
-    from vertexrt.runtime.signals import preemption_signal
+    from vertexrt.preemption.signals import preemption_signal
 
     class HoldAt(tf.keras.callbacks.Callback):  # type: ignore[misc, name-defined]
         def on_train_batch_end(self, batch: int, logs: object = None) -> None:

@@ -23,7 +23,7 @@ from vertexrt.data import resumable_loader
 from vertexrt.distributed import cluster
 from vertexrt.env import environment
 from vertexrt.integrations.lightning import VertexCallback
-from vertexrt.runtime.signals import preemption_signal
+from vertexrt.preemption.signals import preemption_signal
 
 FEATURES, CLASSES, SAMPLES, BATCH = 16, 4, 512, 16
 

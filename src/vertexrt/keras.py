@@ -46,8 +46,8 @@ import tensorflow as tf
 
 from vertexrt import audit, hypertune
 from vertexrt.errors import CheckpointError, ConfigError, DataError
-from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE, Subscription, preemption_signal
-from vertexrt.runtime.vote import StopVote
+from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE, Subscription, preemption_signal
+from vertexrt.preemption.vote import StopVote
 
 logger = logging.getLogger(__name__)
 
@@ -379,8 +379,8 @@ class CheckpointCallback(_Tracked):
 class PreemptionCallback(_Tracked):
     """On SIGTERM: save a checkpoint at the next batch boundary and exit with status 143 (128 + SIGTERM).
 
-    Subscribes to the process-wide preemption notice (`vertexrt.runtime.signals`) for the duration of
-    `fit`. The workers agree through `vertexrt.runtime.vote.StopVote`: under a multi-worker strategy an
+    Subscribes to the process-wide preemption notice (`vertexrt.preemption.signals`) for the duration of
+    `fit`. The workers agree through `vertexrt.preemption.vote.StopVote`: under a multi-worker strategy an
     all-reduce of the flag (~3 ms on CPU) every `check_every` steps, so they all stop at the same batch.
     The exit skips the rest of the epoch (validation would eat the grace period); with `exit=False`,
     `fit` stops after the epoch instead and `preempted` is True.

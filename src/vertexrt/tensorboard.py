@@ -324,7 +324,7 @@ def _compose_once(fs: Any, path: str, part: str) -> None:
 
 def _preemption_notice() -> bool:
     """True once SIGTERM arrived in a process that listens for it (vertexrt's signal owner is loaded)."""
-    signals = sys.modules.get("vertexrt.runtime.signals")
+    signals = sys.modules.get("vertexrt.preemption.signals")
     return signals is not None and bool(signals.preemption_signal().requested)
 
 

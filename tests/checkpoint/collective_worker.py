@@ -2,7 +2,7 @@
 
 The default process group stands in for a GPU job's NCCL group: a registered backend that is not gloo and
 refuses every collective. The checkpoint manager's collectives must all run on the gloo side group
-(``collective.cpu_group``); one that reaches the default group fails this rank.
+(``collectives.cpu_group``); one that reaches the default group fails this rank.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from rank_exit import exit_after
 
-from vertexrt.checkpoint import CheckpointManager, collective
+from vertexrt.checkpoint import CheckpointManager
+from vertexrt.distributed import collectives
 
 
 class DefaultGroupOnly(dist.ProcessGroup):
@@ -37,14 +38,14 @@ def main(rank: int, world: int, port: int, root: str) -> None:
     dist.init_process_group("nccl_stand_in", init_method=address, rank=rank, world_size=world)
     assert dist.get_backend() == "nccl_stand_in"
 
-    assert collective.broadcast(f"token-{rank}", dist) == "token-0"
-    assert collective.all_max([rank, -rank, 0], dist) == [world - 1, 0, 0]
-    assert collective.all_gather(rank * 10, dist) == [r * 10 for r in range(world)]
-    late = collective.LateBroadcast()
+    assert collectives.broadcast(f"token-{rank}", dist) == "token-0"
+    assert collectives.all_max([rank, -rank, 0], dist) == [world - 1, 0, 0]
+    assert collectives.all_gather(rank * 10, dist) == [r * 10 for r in range(world)]
+    late = collectives.LateBroadcast()
     late.start([rank + 7], dist)
     assert late.result() == [7]
 
-    side = collective.cpu_group(dist)
+    side = collectives.cpu_group(dist)
     with CheckpointManager(root) as mgr:  # rank and world from torch.distributed
         assert mgr.save(1, {"w": torch.full((100,), 3.0)}, force=True)
         mgr.wait()

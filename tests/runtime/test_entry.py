@@ -199,7 +199,7 @@ def test_tf_framework_creates_the_strategy_first(runtime_env: Any, tmp_path: Pat
 IGNORING_SCRIPT = """
 import logging, sys, threading, time
 from vertexrt.runtime import main
-from vertexrt.runtime.signals import preemption_signal
+from vertexrt.preemption.signals import preemption_signal
 
 warned = threading.Event()
 

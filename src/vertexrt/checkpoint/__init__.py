@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     "LastSave": "vertexrt.checkpoint.policies",
     "rng_state": "vertexrt.checkpoint.rng",
     "RngState": "vertexrt.checkpoint.rng",
-    "PREEMPTED_EXIT_CODE": "vertexrt.runtime.signals",
+    "PREEMPTED_EXIT_CODE": "vertexrt.preemption.signals",
 }
 
 __all__ = [
@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     )
     from vertexrt.checkpoint.rng import RngState, rng_state
     from vertexrt.errors import CheckpointCorruptError, StepExistsError, StorageError
-    from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE
+    from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, listed=__all__)

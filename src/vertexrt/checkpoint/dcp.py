@@ -26,8 +26,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from vertexrt import audit
-from vertexrt.checkpoint import collective, datafiles, restoring, storage
+from vertexrt.checkpoint import datafiles, restoring, storage
 from vertexrt.checkpoint import manifest as fmt
+from vertexrt.distributed import collectives
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, StepExistsError
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ def _to_state_dict(state: Any, what: str) -> tuple[dict[str, Any], list[tuple[st
 
 
 def _check_group(mgr: Any, state: Any, what: str) -> Any:
-    dist = collective.torch_dist()
+    dist = collectives.torch_dist()
     if dist is None and (mgr.world_size > 1 or holds_dtensors(state)):
         raise CheckpointError(
             f"{what} of sharded (DTensor) state in {mgr.directory} needs torch.distributed initialised on "
@@ -147,8 +148,8 @@ def save(mgr: Any, step: int, state: Any, metrics: dict[str, float], overwrite: 
 
     dist = _check_group(mgr, state, "save()")
     strategy = mgr._strategy
-    token = collective.broadcast(storage.new_token(), dist)
-    exists = bool(collective.all_max([int(mgr.rank == 0 and strategy.is_committed(step))], dist)[0])
+    token = collectives.broadcast(storage.new_token(), dist)
+    exists = bool(collectives.all_max([int(mgr.rank == 0 and strategy.is_committed(step))], dist)[0])
     if exists and not overwrite:
         raise StepExistsError(
             f"step {step} is already committed in {mgr.directory}; pass overwrite=True to save(...) to "
@@ -306,7 +307,7 @@ def restore(mgr: Any, target: Any, step: int | None) -> Any:
         )
     dist = _check_group(mgr, target, "restore()")
     candidates = [step] if step is not None else list(reversed(mgr._strategy.committed_steps()))
-    candidates = collective.broadcast(candidates, dist)
+    candidates = collectives.broadcast(candidates, dist)
     failures = []
     for s in candidates:
         try:
@@ -383,7 +384,7 @@ def agree(error: BaseException | None, dist: Any, what: str) -> None:
         >>> agree(None, None, "reading checkpoint step 3")  # no failure anywhere: returns
     """
     mine = None if error is None else (isinstance(error, CheckpointCorruptError), _describe(error))
-    outcomes = collective.all_gather(mine, dist)
+    outcomes = collectives.all_gather(mine, dist)
     failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
     if not failed:
         return

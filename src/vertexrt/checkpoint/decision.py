@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vertexrt.checkpoint.collective import LateBroadcast
 from vertexrt.checkpoint.policies import AnySave, EveryNSteps, LastSave, SavePolicy
+from vertexrt.distributed.collectives import LateBroadcast
 
 #: Calls between two of rank 0's clock-based decisions when there is more than one rank.
 SYNC_EVERY = 10

@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from vertexrt import audit
-from vertexrt.checkpoint import collective, datafiles, dcp, restoring, serialization, sharded, storage
+from vertexrt.checkpoint import datafiles, dcp, restoring, serialization, sharded, storage
 from vertexrt.checkpoint import manifest as fmt
 from vertexrt.checkpoint.decision import SaveDecision
 from vertexrt.checkpoint.manifest import FORMAT, FORMAT_VERSION
@@ -38,6 +38,7 @@ from vertexrt.checkpoint.policies import (
 )
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.checkpoint.retention import Retention
+from vertexrt.distributed import collectives
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, StepExistsError
 from vertexrt.phases import long_phase
 
@@ -95,7 +96,7 @@ class CheckpointManager:
         self.async_save = async_save
         self.allow_pickle = allow_pickle
         self.commit_timeout = commit_timeout
-        self.rank, self.world_size = collective.resolve(rank, world_size)
+        self.rank, self.world_size = collectives.resolve(rank, world_size)
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"CheckpointManager: rank {self.rank} is outside world_size {self.world_size}")
         self._strategy = storage.strategy_for(self.directory, stale_after)
@@ -229,7 +230,7 @@ class CheckpointManager:
             dcp.save(self, step, state, _read_metrics(_metrics(metrics)), overwrite)
             self._last = (step, time.time())
             return True
-        dist = collective.torch_dist()
+        dist = collectives.torch_dist()
         if shard is not None and self.world_size > 1 and dist is None:
             raise ConfigError(
                 "save(shard=...) across processes needs torch.distributed initialised (e.g. "
@@ -237,7 +238,7 @@ class CheckpointManager:
             )
         token = storage.new_token()
         if shard is not None:
-            token = collective.broadcast(token, dist)
+            token = collectives.broadcast(token, dist)
         if shard is None and self.rank != 0:
             self._last = (step, time.time())
             return True
@@ -313,13 +314,13 @@ class CheckpointManager:
     # -- preemption ----------------------------------------------------------------------------------------
 
     def save_on_preemption(self) -> None:
-        """Subscribe to the process-wide SIGTERM notice (``vertexrt.runtime.signals``); idempotent.
+        """Subscribe to the process-wide SIGTERM notice (``vertexrt.preemption.signals``); idempotent.
 
         Poll :meth:`preemption_requested` at step boundaries; when True, ``save(step, state, force=True)``
         (synchronous from then on), ``close()`` and exit with status 143 (128 + SIGTERM).
         """
         if self._subscription is None:
-            from vertexrt.runtime.signals import preemption_signal
+            from vertexrt.preemption.signals import preemption_signal
 
             self._subscription = preemption_signal().subscribe()
 
@@ -330,13 +331,13 @@ class CheckpointManager:
         all see True at the same call.
         """
         if self._vote is None:
-            from vertexrt.runtime.vote import StopVote
+            from vertexrt.preemption.vote import StopVote
 
             self._vote = StopVote()
         local = self._subscription is not None and bool(self._subscription.requested)
         if self._vote(local):
             if not self._preempted and self._subscription is not None and not local:
-                from vertexrt.runtime.signals import preemption_signal
+                from vertexrt.preemption.signals import preemption_signal
 
                 preemption_signal().request()  # decided by another rank: the same notice here
             self._preempted = True
@@ -347,23 +348,23 @@ class CheckpointManager:
     def _notice_arrived(self) -> bool:
         if self._subscription is None:
             return False
-        from vertexrt.runtime.signals import preemption_signal
+        from vertexrt.preemption.signals import preemption_signal
 
         return preemption_signal().requested
 
     def _decide(self, step: int, force: bool) -> bool:
         last_step, last_time = self._last
         last = LastSave(step=last_step, time=last_time, now=time.time(), start_time=self._start)
-        decision = self._decide_policy(step, last, rank=self.rank, dist=collective.torch_dist)
+        decision = self._decide_policy(step, last, rank=self.rank, dist=collectives.torch_dist)
         return force or decision
 
     def _agreed_newest(self, verify: Any) -> restoring.Loaded | None:
-        dist = collective.torch_dist() if self.world_size > 1 else None
+        dist = collectives.torch_dist() if self.world_size > 1 else None
         failures: list[str] = []
         tried: list[int] | None = None
         for _ in range(_RESTORE_ROUNDS):
             listed = list(reversed(self._strategy.committed_steps()))
-            candidates = collective.broadcast(listed, dist)
+            candidates = collectives.broadcast(listed, dist)
             if candidates == tried:
                 break
             loaded, failed = restoring.agree(candidates, verify, dist, self.directory)

@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vertexrt.checkpoint import collective, datafiles, serialization
+from vertexrt.checkpoint import datafiles, serialization
 from vertexrt.checkpoint import manifest as fmt
 from vertexrt.checkpoint.rng import RngState
 from vertexrt.checkpoint.storage import MANIFEST, Strategy
+from vertexrt.distributed import collectives
 from vertexrt.errors import CheckpointCorruptError, CheckpointError
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,7 @@ def agree(
                 break
             local = i
             break
-        newest, neg_oldest, fatal = collective.all_max([local, -local, 1 if error else 0], dist)
+        newest, neg_oldest, fatal = collectives.all_max([local, -local, 1 if error else 0], dist)
         if fatal:
             if error is not None:
                 raise error

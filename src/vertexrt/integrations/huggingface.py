@@ -8,8 +8,8 @@
 - Checkpoints: the Trainer writes ``checkpoint-N`` to a local directory; on each save every rank copies its
   files to ``<output_dir>/checkpoint-N`` (``gs://``, ``/gcs/`` or local) and rank 0 writes a completion
   marker *last*. :meth:`~VertexTrainerCallback.resume_from_checkpoint` is the newest step with a marker.
-- Preemption: on SIGTERM (through :func:`vertexrt.runtime.signals.preemption_signal`, the one owner) all
-  ranks agree at a step end (:class:`~vertexrt.runtime.vote.StopVote`), save, commit, and exit 143.
+- Preemption: on SIGTERM (through :func:`vertexrt.preemption.signals.preemption_signal`, the one owner) all
+  ranks agree at a step end (:class:`~vertexrt.preemption.vote.StopVote`), save, commit, and exit 143.
 - Hyperparameter tuning: rank 0 reports ``metric_for_best_model`` after each evaluation.
 - Exact data on resume is the Trainer's own (a per-epoch seeded sampler, the batches already trained on
   skipped): a WARNING when training starts with ``ignore_data_skip=True``, which turns that off.
@@ -123,7 +123,7 @@ class VertexTrainerCallback(TrainerCallback):
         self.remote = paths.storage_kind(self.output_dir) != "local"
         self._staging = staging_dir
         self.metric = metric
-        self._preemption: Any = None  # a vertexrt.runtime.vote.PreemptionAgreement while training
+        self._preemption: Any = None  # a vertexrt.preemption.vote.PreemptionAgreement while training
         self._stopping = False  # the next save is the preemption save: exit 143 after it
         self._after_epoch = False  # the notice came at an epoch's last step: save after the epoch's end
 
@@ -222,7 +222,7 @@ class VertexTrainerCallback(TrainerCallback):
                 f"expects {self.local_dir!r}; build the arguments with "
                 "TrainingArguments(**callback.training_arguments(...))"
             )
-        from vertexrt.runtime.vote import PreemptionAgreement
+        from vertexrt.preemption.vote import PreemptionAgreement
 
         if args.ignore_data_skip:
             log.warning(
@@ -257,7 +257,7 @@ class VertexTrainerCallback(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._commit(state.global_step, state.is_world_process_zero, args.save_total_limit)
         if self._stopping:
-            from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE
+            from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE
 
             log.warning("checkpoint-%d committed: exiting %d", state.global_step, PREEMPTED_EXIT_CODE)
             self._release()

@@ -224,9 +224,9 @@ def _step_in(path: Any) -> int:
 class VertexCallback(Callback):
     """Preemption, hyperparameter tuning and resumption for ``lightning.pytorch.Trainer`` on Vertex.
 
-    - On SIGTERM (through :func:`vertexrt.runtime.signals.preemption_signal`, the one owner: Lightning's
+    - On SIGTERM (through :func:`vertexrt.preemption.signals.preemption_signal`, the one owner: Lightning's
       own SIGTERM handler, which calls a collective from inside the handler, is not installed), every rank
-      agrees at a batch end (:class:`~vertexrt.runtime.vote.StopVote`), saves one checkpoint through
+      agrees at a batch end (:class:`~vertexrt.preemption.vote.StopVote`), saves one checkpoint through
       :class:`VertexCheckpointIO`, waits for the commit and exits with status 143.
     - After each validation, rank 0 reports ``trainer.callback_metrics[monitor]`` to hypertune.
     - :meth:`ckpt_path` is the newest valid checkpoint, for ``trainer.fit(ckpt_path=...)``.
@@ -243,7 +243,7 @@ class VertexCallback(Callback):
     def __init__(self, checkpoint_io: VertexCheckpointIO | None = None, *, monitor: str | None = None):
         self.checkpoint_io = checkpoint_io if checkpoint_io is not None else VertexCheckpointIO()
         self.monitor = monitor
-        self._preemption: Any = None  # a vertexrt.runtime.vote.PreemptionAgreement while training
+        self._preemption: Any = None  # a vertexrt.preemption.vote.PreemptionAgreement while training
 
     def plugins(self) -> list[Any]:
         """``[VertexEnvironment(), self.checkpoint_io]`` for ``Trainer(plugins=...)``."""
@@ -261,7 +261,7 @@ class VertexCallback(Callback):
                 "VertexCallback: the Trainer saves through another CheckpointIO; pass "
                 "Trainer(plugins=callback.plugins(), ...) so the preemption save goes through vertexrt"
             )
-        from vertexrt.runtime.vote import PreemptionAgreement
+        from vertexrt.preemption.vote import PreemptionAgreement
 
         connector = trainer._signal_connector
 
@@ -285,7 +285,7 @@ class VertexCallback(Callback):
         audit.step(trainer.global_step)  # `local-run --chaos` counts steps and places faults here
         if self._preemption is None or not self._preemption():
             return
-        from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE
+        from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE
 
         path = self.checkpoint_io.path_for(trainer.global_step)
         log.warning("preemption notice: saving %s, then exiting %d", path, PREEMPTED_EXIT_CODE)

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from vertexrt.preemption.signals import Subscription, preemption_signal
+from vertexrt.preemption.vote import StopVote
 from vertexrt.runtime.metrics import MetricsReporter
-from vertexrt.runtime.signals import Subscription, preemption_signal
-from vertexrt.runtime.vote import StopVote
 
 if TYPE_CHECKING:
     from vertexrt.checkpoint import CheckpointManager
@@ -153,8 +153,9 @@ class Context:
     def install_preemption_handler(self) -> bool:
         """Subscribe to the preemption notice: SIGTERM then sets a flag instead of killing the process.
 
-        Returns False when this context already subscribed. Call it from the main thread. The process-wide
-        owner (``vertexrt.runtime.signals``) puts the original handler back when its last subscriber leaves.
+        Returns False when this context already subscribed. Call it from the main thread. The
+        process-wide owner (``vertexrt.preemption.signals``) puts the original handler back
+        when its last subscriber leaves.
         """
         if self._notice is not None:
             return False

@@ -30,9 +30,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from vertexrt.errors import ConfigError
+from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE, UnpolledWatch, preemption_signal
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.logs import setup_logging
-from vertexrt.runtime.signals import PREEMPTED_EXIT_CODE, UnpolledWatch, preemption_signal
 
 if TYPE_CHECKING:
     import argparse

@@ -305,7 +305,7 @@ class Trainer(StateTracker):
                 self.ctx.uninstall_preemption_handler()
 
     def _fit(self) -> dict[str, float]:
-        from vertexrt.checkpoint.collective import torch_dist
+        from vertexrt.distributed.collectives import torch_dist
 
         self._sharded = self.ctx.world_size > 1
         if self._sharded and torch_dist() is None:
@@ -475,7 +475,7 @@ class Trainer(StateTracker):
             self._tb.scalars({f"train/{name}": value for name, value in metrics.items()}, step)
 
     def _restore(self) -> None:
-        from vertexrt.checkpoint.collective import all_max, broadcast, torch_dist
+        from vertexrt.distributed.collectives import all_max, broadcast, torch_dist
 
         manager, dist = self.checkpoints, torch_dist()
         newest_first = broadcast(manager.all_steps()[::-1] if self.ctx.rank == 0 else None, dist)
@@ -618,7 +618,7 @@ class Trainer(StateTracker):
 
     def _average(self, weighted: dict[str, tuple[float, float]]) -> dict[str, float]:
         """The count-weighted mean of each metric over all ranks (one all-gather with several replicas)."""
-        from vertexrt.checkpoint.collective import all_gather, torch_dist
+        from vertexrt.distributed.collectives import all_gather, torch_dist
 
         everyone = all_gather(weighted, torch_dist() if self._sharded else None)
         totals: dict[str, list[float]] = {}

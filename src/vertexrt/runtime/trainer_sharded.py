@@ -102,15 +102,16 @@ class ShardedLayout:
         Every rank takes the same path: a manifest read that fails on one rank raises the same error on all
         of them (CheckpointCorruptError when the step is damaged) before any enters DCP's collectives.
         """
-        from vertexrt.checkpoint import collective, dcp
+        from vertexrt.checkpoint import dcp
+        from vertexrt.distributed import collectives
 
-        dist, saved, error = collective.torch_dist(), None, None
+        dist, saved, error = collectives.torch_dist(), None, None
         try:
             saved = manager.metadata(step).get("world_size")
         except Exception as exc:
             error = exc
         dcp.agree(error, dist, f"reading the manifest of step {step}")
-        self.saved_world = collective.broadcast(saved, dist)  # rank 0's: one answer for every rank
+        self.saved_world = collectives.broadcast(saved, dist)  # rank 0's: one answer for every rank
         carried = self.saved_world == self.world_size
         target = self.tree if carried else {k: v for k, v in self.tree.items() if k != self.key}
         manager.restore(target, step=step)

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from vertexrt.checkpoint.collective import cpu_group, torch_dist
+from vertexrt.distributed.collectives import cpu_group, torch_dist
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class PreemptionAgreement:
     """
 
     def __init__(self) -> None:
-        from vertexrt.runtime.signals import preemption_signal
+        from vertexrt.preemption.signals import preemption_signal
 
         self._subscription: Any = preemption_signal().subscribe()
         self._vote: StopVote | None = StopVote()

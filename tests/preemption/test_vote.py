@@ -9,7 +9,7 @@ import pytest
 import torch.multiprocessing as mp
 from rank_exit import exits_hard
 
-from vertexrt.runtime.vote import StopVote
+from vertexrt.preemption.vote import StopVote
 
 
 @exits_hard

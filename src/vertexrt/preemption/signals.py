@@ -8,7 +8,7 @@ A library may take the signal below Python after that (TensorFlow's multi-worker
 handler when ``MultiWorkerMirroredStrategy`` starts, while ``signal.getsignal`` still names ours):
 :meth:`PreemptionSignal.reassert` checks the C-level handler and puts ours back; ``@main`` calls it after
 setting up TensorFlow, and every later subscription does too.
-Agreement across ranks is :class:`vertexrt.runtime.vote.StopVote`'s job, not this module's.
+Agreement across ranks is :class:`vertexrt.preemption.vote.StopVote`'s job, not this module's.
 
 Example:
     >>> notice = preemption_signal().subscribe()

@@ -1,4 +1,4 @@
-"""Rank, world size and the few collectives the checkpoint manager needs (torch.distributed when initialised).
+"""Rank, world size and the few CPU collectives (gloo side group) for the checkpoint manager and the vote.
 
 torch is never imported here: ``torch.distributed`` counts only if the program already imported torch and
 initialised a process group.

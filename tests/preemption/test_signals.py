@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from vertexrt.runtime.signals import PreemptionSignal, UnpolledWatch, preemption_signal
+from vertexrt.preemption.signals import PreemptionSignal, UnpolledWatch, preemption_signal
 
 
 @pytest.fixture
