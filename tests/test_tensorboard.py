@@ -48,9 +48,9 @@ def test_log_dir_local_fallback(clean_env, tmp_path):
     assert tensorboard.log_dir() == str(tmp_path / "vertexrt_output" / "logs")
 
 
-@pytest.mark.parametrize("backend", ["torch", "tf"])
+@pytest.mark.parametrize("backend", ["torch", "tf", "scalars"])
 def test_writer_events_readable(storage_root, backend, tmp_path):
-    pytest.importorskip("torch" if backend == "torch" else "tensorflow")
+    pytest.importorskip({"torch": "torch", "tf": "tensorflow"}.get(backend, "vertexrt"))
     target = paths.join(storage_root, "run-1", "logs")
     with tensorboard.writer(target, backend=backend, chief_only=False) as tb:
         assert tb.enabled and tb.backend == backend

@@ -1,6 +1,7 @@
 """TensorBoard: where to write (`AIP_TENSORBOARD_LOG_DIR`) and a summary writer that works with `gs://`.
 
-`writer()` wraps tf.summary (when TensorFlow is already imported), torch's SummaryWriter or tensorboardX.
+`writer()` wraps tf.summary (when TensorFlow is already imported), torch's SummaryWriter or tensorboardX, or
+writes scalars alone with no framework (``backend="scalars"``, `vertexrt.tensorboard_events`: the Trainer's).
 For a `gs://` or `/gcs/` directory it writes event files to a local staging directory and, every
 `upload_interval` seconds and at `close()`, sends what each file gained through `vertexrt.paths`
 (composed onto the object: a growing file is never re-uploaded whole). torch cannot write `gs://`
@@ -32,7 +33,7 @@ from vertexrt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("tf", "torch", "tensorboardX", "files")
+BACKENDS = ("tf", "torch", "tensorboardX", "files", "scalars")
 #: Seconds ``close()`` may spend on the last upload once a preemption notice arrived: the grace between
 #: SIGTERM and SIGKILL belongs to the checkpoint (events not uploaded by then are lost with the VM).
 PREEMPTED_UPLOAD_SECONDS = 2.0
@@ -81,6 +82,10 @@ class _FilesOnly:
 def _open_native(backend: str, directory: str) -> Any:
     if backend == "files":
         return _FilesOnly()
+    if backend == "scalars":
+        from vertexrt.tensorboard_events import ScalarEventWriter
+
+        return ScalarEventWriter(directory)
     if backend == "tf":
         import tensorflow as tf
 
@@ -343,11 +348,12 @@ def writer(
     """A summary writer for `log_dir` (default: `vertexrt.tensorboard.log_dir()`).
 
     `backend`: "auto" (tf if TensorFlow is imported, else torch, else tensorboardX, else tf), "tf",
-    "torch", "tensorboardX", or "files" (no writer of its own: it stages and uploads the event files that
-    another writer puts in `local_dir`, e.g. Keras's TensorBoard callback). With `chief_only` (default)
-    only rank 0 writes; other ranks get a writer whose methods do nothing. Remote directories (`gs://`,
-    `/gcs/`) are uploaded every `upload_interval` seconds, on `flush()` and on `close()` (also at
-    interpreter exit).
+    "torch", "tensorboardX", "scalars" (`scalar()` only, with no framework: never imports TensorFlow, which
+    torch's writer does whenever it is installed), or "files" (no writer of its own: it stages and uploads
+    the event files that another writer puts in `local_dir`, e.g. Keras's TensorBoard callback). With
+    `chief_only` (default) only rank 0 writes; other ranks get a writer whose methods do nothing. Remote
+    directories (`gs://`, `/gcs/`) are uploaded every `upload_interval` seconds, on `flush()` and on
+    `close()` (also at interpreter exit).
 
     Example:
         >>> with writer("gs://my-bucket/run-1/logs") as tb:  # doctest: +SKIP

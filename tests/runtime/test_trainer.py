@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from jobs import run_job
 from torch.utils.data import DataLoader
 
 import vertexrt.data
@@ -464,6 +465,45 @@ def test_train_and_evaluation_metrics_go_to_tensorboard(
     events.Reload()
     assert scalars(events, "eval/score") == [(10, 10.0), (20, 20.0)]
     assert [step for step, _ in scalars(events, "train/loss")] == list(range(1, 21))
+
+
+def test_a_torch_trainer_writes_tensorboard_scalars_without_loading_tensorflow(tmp_path: Any) -> None:
+    """torch's SummaryWriter imports TensorFlow whenever it is installed (as here): seconds and hundreds of
+    MB in every replica. The Trainer's writer needs no framework, and TensorBoard reads what it wrote."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    script = textwrap.dedent(
+        """
+        import sys, torch, vertexrt
+
+        class Steps(vertexrt.Trainer):
+            def setup(self):
+                self.model = torch.nn.Linear(2, 1)
+                self.train_data = [torch.ones(4, 2)] * 5
+
+            def train_step(self, batch):
+                return {"loss": torch.tensor(self.step / 2)}  # steps done before this one
+
+            def evaluate(self):
+                return {"score": float(self.step), "count": (1e40, 1)}  # beyond float32: inf, as torch's
+
+        ctx = vertexrt.Context.create()
+        Steps(ctx, max_epochs=2, progress_bar=False, progress_interval=0.0, preflight=False).fit()
+        ctx.close()
+        print("TENSORFLOW", "tensorflow" in sys.modules)
+        """
+    )
+    logs = tmp_path / "tb"
+    env = dict(os.environ, VERTEXRT_LOCAL_DIR=str(tmp_path / "out"), AIP_TENSORBOARD_LOG_DIR=str(logs))
+    done = run_job([sys.executable, "-c", script], cwd=tmp_path, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "TENSORFLOW False" in done.stdout, done.stdout[-3000:]
+    events = EventAccumulator(str(logs), size_guidance={"scalars": 0})
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["eval/count", "eval/score", "train/loss"]
+    assert scalars(events, "eval/score") == [(5, 5.0), (10, 10.0)]
+    assert scalars(events, "eval/count") == [(5, float("inf")), (10, float("inf"))]
+    assert scalars(events, "train/loss") == [(step, (step - 1) / 2) for step in range(1, 11)]
 
 
 def scalars(events: Any, tag: str) -> list[tuple[int, float]]:

@@ -136,8 +136,8 @@ class Trainer(StateTracker):
         progress_interval: seconds between progress lines.
         progress_bar: tqdm bar (``True``), log lines (``False``), or a bar when interactive (``None``).
         ddp: with several replicas, wrap unsynchronised trainable modules in ``DistributedDataParallel``.
-        tensorboard: write metrics to ``AIP_TENSORBOARD_LOG_DIR`` from the chief (needs the tensorboard
-            package; without it this is skipped with an INFO line).
+        tensorboard: write metrics to ``AIP_TENSORBOARD_LOG_DIR`` from the chief (scalar events written by
+            ``vertexrt.tensorboard_events``: no TensorFlow, torch writer or tensorboard package needed).
         preflight: run ``vertexrt.doctor.preflight`` at the start of ``fit()`` unless ``@main`` already did.
     """
 
@@ -465,7 +465,7 @@ class Trainer(StateTracker):
         from vertexrt import tensorboard
 
         try:
-            return tensorboard.writer(self.ctx.env.tensorboard_log_dir, chief_only=False)
+            return tensorboard.writer(self.ctx.env.tensorboard_log_dir, backend="scalars", chief_only=False)
         except ConfigError as err:
             logger.info("no TensorBoard events written: %s", err)
             return None
