@@ -177,6 +177,7 @@ class Trainer(StateTracker):
         self._wrapped: dict[str, Any] = {}  # attribute -> the module the Trainer wrapped in DDP
         self._eval_batches: int | None = None  # batches through interruptible() in this evaluate()
         self._tb: Any = None
+        self._multi_replica = False  # world_size > 1 (set by fit): one checkpoint shard per rank
         self._layout: Any = None  # a ShardedLayout when modules hold DTensors (FSDP2 / tensor parallel)
         self._replay = False  # the read position was not restored: replay the epoch and skip
 
@@ -307,8 +308,8 @@ class Trainer(StateTracker):
     def _fit(self) -> dict[str, float]:
         from vertexrt.distributed.collectives import torch_dist
 
-        self._sharded = self.ctx.world_size > 1
-        if self._sharded and torch_dist() is None:
+        self._multi_replica = self.ctx.world_size > 1
+        if self._multi_replica and torch_dist() is None:
             raise ConfigError(
                 f"Trainer with {self.ctx.world_size} replicas needs torch.distributed to agree on "
                 "checkpoints and preemption: use @vertexrt.main(framework='torch') or call "
@@ -321,7 +322,7 @@ class Trainer(StateTracker):
         from vertexrt.data.resume_check import warn_if_inexact
 
         warn_if_inexact(data, f"{type(self).__name__}.train_data")
-        if self._sharded and self.ddp:
+        if self._multi_replica and self.ddp:
             self._wrap_modules()
         full = self.state()
         self._layout = self._sharded_layout(full)
@@ -514,8 +515,8 @@ class Trainer(StateTracker):
                     if self.ctx.is_chief:
                         attributes = sorted(self._attribute_values())
                         logger.warning("%s", self._layout.not_carried(self._loop, attributes))
-            elif not self._sharded or rank == 0:
-                manager.restore(tree, step=step, shard=0 if self._sharded else None)
+            elif not self._multi_replica or rank == 0:
+                manager.restore(tree, step=step, shard=0 if self._multi_replica else None)
             else:
                 manager.restore({"replicated": tree["replicated"]}, step=step, shard=0)
                 manager.restore({"local": tree["local"]}, step=step, shard=rank)
@@ -561,7 +562,8 @@ class Trainer(StateTracker):
         eval_every, max_steps, world = self.eval_every, self.max_steps, self.ctx.world_size
         last_in_epoch = _length(data) if eval_every is None and self.has_evaluate() else None
         train_step, batch_size, should_stop = self.train_step, self.batch_size, self.should_stop
-        save, tree, shard = self.checkpoints.save, self._tree, self.ctx.rank if self._sharded else None
+        save, tree = self.checkpoints.save, self._tree
+        shard = self.ctx.rank if self._multi_replica else None
         beat = self.ctx.watchdog.beat
         for batch in _iterate(data, keep_rng=loop.batch_in_epoch > 0):
             if skip:
@@ -620,7 +622,7 @@ class Trainer(StateTracker):
         """The count-weighted mean of each metric over all ranks (one all-gather with several replicas)."""
         from vertexrt.distributed.collectives import all_gather, torch_dist
 
-        everyone = all_gather(weighted, torch_dist() if self._sharded else None)
+        everyone = all_gather(weighted, torch_dist() if self._multi_replica else None)
         totals: dict[str, list[float]] = {}
         for rank_metrics in everyone:
             for name, (value, count) in rank_metrics.items():
@@ -631,7 +633,7 @@ class Trainer(StateTracker):
         return {name: s / c if c > 0 else math.nan for name, (s, c) in totals.items()}
 
     def _save(self, *, force: bool) -> None:
-        shard = self.ctx.rank if self._sharded else None
+        shard = self.ctx.rank if self._multi_replica else None
         if self.checkpoints.save(self.step, self._tree, self._loop.eval_metrics, force=force, shard=shard):
             self._saved = self._loop.state_dict()
 
