@@ -356,19 +356,15 @@ def test_sigterm_in_an_evaluation_right_after_saving_that_step_never_rewrites_it
     assert_same_training(reference, second)
 
 
-def test_several_replicas_refuse_unequalized_data_naming_the_fix(runtime_env: Any, tmp_path: Any) -> None:
+def test_several_replicas_refuse_unequalized_data_naming_the_fix() -> None:
+    from vertexrt.runtime.trainer_data import check_equalized
+
     class Unequal(list):  # type: ignore[type-arg]
         equalized = False
 
-    class OnUnequal(Counting):
-        def setup(self) -> None:
-            self.train_data = Unequal(range(10))
-
-    ctx = Context.create(rank=0, world_size=2)
-    with pytest.raises(ConfigError, match="equalize='drop_remainder'"):
-        OnUnequal(
-            ctx, checkpoints=CheckpointManager(str(tmp_path / "c"), rank=0, world_size=2)
-        )._check_equalized(Unequal(range(10)))
+    check_equalized(Unequal(range(10)), 1, "OnUnequal")  # one replica: nothing to wait for
+    with pytest.raises(ConfigError, match=r"OnUnequal.train_data .* 2 replicas.*equalize='drop_remainder'"):
+        check_equalized(Unequal(range(10)), 2, "OnUnequal")
 
 
 class Accumulating(Regression):

@@ -66,7 +66,6 @@ import itertools
 import logging
 import math
 import threading
-import types
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -75,10 +74,11 @@ from vertexrt import audit
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, DataError
 from vertexrt.phases import long_phase
+from vertexrt.runtime import trainer_data
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.entry import Preempted
 from vertexrt.runtime.progress import Progress
-from vertexrt.runtime.state import GeneratorState, StateTracker, as_stateful, is_json_value
+from vertexrt.runtime.state import GeneratorState, StateTracker, is_json_value
 
 if TYPE_CHECKING:
     from vertexrt.checkpoint import CheckpointManager
@@ -210,7 +210,7 @@ class Trainer(StateTracker):
 
     def batch_size(self, batch: Any) -> int:
         """Examples in ``batch`` (for samples/s): the leading dimension of the first array-like leaf."""
-        return _leading_size(batch)
+        return trainer_data.leading_size(batch)
 
     # ---- state -------------------------------------------------------------------------------------
 
@@ -252,7 +252,7 @@ class Trainer(StateTracker):
         tracked = {name: _unwrap(value) for name, value in self.app_state().items()}
         for name, value in tracked.items():
             (local if _is_per_rank(value) else replicated)[name] = value
-        data = _cursor_of(getattr(self, "train_data", None))
+        data = trainer_data.read_position_of(getattr(self, "train_data", None))
         if data is not None and all(data is not value for value in tracked.values()):
             local["_train_data"] = data
         return {"replicated": replicated, "local": local}
@@ -318,7 +318,7 @@ class Trainer(StateTracker):
         self._tb = self._open_tensorboard()  # before setup(): its imports happen before the user seeds
         self.setup()
         data = self._train_data()
-        self._check_equalized(data)
+        trainer_data.check_equalized(data, self.ctx.world_size, type(self).__name__)
         from vertexrt.data.resume_check import warn_if_inexact
 
         warn_if_inexact(data, f"{type(self).__name__}.train_data")
@@ -371,19 +371,6 @@ class Trainer(StateTracker):
                 "batches (a vertexrt.data reader, a DataLoader or any iterable) to self.train_data"
             )
         return data  # type: ignore[no-any-return]
-
-    def _check_equalized(self, data: Any) -> None:
-        """With several replicas every rank must yield the same number of batches, or a collective hangs."""
-        if self.ctx.world_size == 1:
-            return
-        for reader in (data, getattr(data, "dataset", None)):
-            if reader is not None and not getattr(reader, "equalized", True):
-                raise ConfigError(
-                    f"{type(self).__name__}.train_data yields a different number of batches on each of the "
-                    f"{self.ctx.world_size} replicas, so one would wait forever in a collective the others "
-                    "never reach: open it with vertexrt.data.open_dataset(..., equalize='drop_remainder') "
-                    "(or equalize='pad')"
-                )
 
     def _wrap_modules(self) -> None:
         """Wrap each trainable module attribute that does not synchronise gradients in DDP."""
@@ -544,28 +531,29 @@ class Trainer(StateTracker):
     def _train_epoch(self, data: Iterable[Any], progress: Progress) -> None:
         loop = self._loop
         skip = 0
-        if loop.batch_in_epoch and loop.batch_in_epoch == _length(data):
+        if loop.batch_in_epoch and loop.batch_in_epoch == trainer_data.batches_per_epoch(data):
             self._end_epoch()  # saved on the epoch's last batch: go on to the next one
             return
         if loop.batch_in_epoch == 0:
-            _set_epoch(data, loop.epoch)
-        elif _cursor_of(data) is None or self._replay:
+            trainer_data.set_epoch(data, loop.epoch)
+        elif trainer_data.read_position_of(data) is None or self._replay:
             why = (
                 "was saved by another number of ranks" if self._replay else "has no read position to restore"
             )
             self._replay = False
             skip = loop.batch_in_epoch  # no reader state: replay the epoch's order and drop what was seen
-            _set_epoch(data, loop.epoch)
+            trainer_data.set_epoch(data, loop.epoch)
             logger.warning("train_data %s: skipping %d batches to resume", why, skip)
         # Per-step work stays small: names bound once, one policy question and one preemption check.
         # A step that is evaluated is evaluated before the save question, so its checkpoint has its metrics.
         eval_every, max_steps, world = self.eval_every, self.max_steps, self.ctx.world_size
-        last_in_epoch = _length(data) if eval_every is None and self.has_evaluate() else None
+        at_epoch_end = eval_every is None and self.has_evaluate()
+        last_in_epoch = trainer_data.batches_per_epoch(data) if at_epoch_end else None
         train_step, batch_size, should_stop = self.train_step, self.batch_size, self.should_stop
         save, tree = self.checkpoints.save, self._tree
         shard = self.ctx.rank if self._multi_replica else None
         beat = self.ctx.watchdog.beat
-        for batch in _iterate(data, keep_rng=loop.batch_in_epoch > 0):
+        for batch in trainer_data.iterate(data, keep_rng=loop.batch_in_epoch > 0):
             if skip:
                 skip -= 1
                 continue
@@ -713,76 +701,11 @@ def _unwrap(value: Any) -> Any:
     return value
 
 
-def _iterate(data: Iterable[T], *, keep_rng: bool) -> Iterator[T]:
-    """``iter(data)``; with ``keep_rng``, starting it leaves the global RNGs where they are.
-
-    A torch DataLoader draws a seed from torch's generator when its iterator starts. Resuming mid-epoch,
-    the original run drew it at the epoch start, before the restored RNG state: drawing it again would
-    shift every later random number. A generator-based loader draws it at its first batch, so that batch
-    is fetched before the RNG state is put back.
-    """
-    if not keep_rng:
-        return iter(data)
-    from vertexrt.checkpoint import rng_state
-
-    rng = rng_state()
-    before = rng.state_dict()
-    batches = iter(data)
-    lazy = isinstance(batches, types.GeneratorType)
-    started = list(itertools.islice(batches, 1)) if lazy else []
-    rng.load_state_dict(before)
-    return itertools.chain(started, batches) if lazy else batches
-
-
-def _length(data: Any) -> int | None:
-    """Batches per epoch when ``data`` knows it (``len``), else None (e.g. a streaming reader)."""
-    try:
-        return len(data)
-    except (TypeError, NotImplementedError):
-        return None
-
-
-def _set_epoch(data: Any, epoch: int) -> None:
-    """Call ``set_epoch`` on the data, or on a DataLoader's dataset / sampler."""
-    for target in (data, getattr(data, "dataset", None), getattr(data, "sampler", None)):
-        set_epoch = getattr(target, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-            return
-
-
-def _cursor_of(data: Any) -> Any:
-    """What holds the read position of ``data``: itself, a DataLoader's dataset, or None.
-
-    A DataLoader with worker processes reads in the workers: its dataset's position in this process never
-    moves, so it counts as none (resuming then replays the epoch's order and skips what was seen).
-    """
-    if as_stateful(data) is not None:
-        return data
-    dataset = getattr(data, "dataset", None)
-    workers = int(getattr(data, "num_workers", 0) or 0)
-    return None if dataset is None or workers > 0 or as_stateful(dataset) is None else dataset
-
-
 def _is_per_rank(value: Any) -> bool:
     """Generators and data (iterables that are not modules) differ per rank; the rest is replicated."""
     if isinstance(value, GeneratorState):
         return True
     return hasattr(value, "__iter__") and not hasattr(value, "parameters")
-
-
-def _leading_size(batch: Any) -> int:
-    shape = getattr(batch, "shape", None)
-    if shape is not None:
-        return int(shape[0]) if len(shape) else 1
-    kind = type(batch)
-    if kind is dict or (kind is not list and kind is not tuple and isinstance(batch, Mapping)):
-        return _leading_size(next(iter(batch.values()))) if batch else 0
-    if kind is list or kind is tuple or isinstance(batch, (list, tuple)):
-        if batch and getattr(batch[0], "shape", None) is not None:
-            return _leading_size(batch[0])
-        return len(batch)
-    return 1
 
 
 def _restore_failure(step: int, directory: str, error: Exception | None) -> Exception:
