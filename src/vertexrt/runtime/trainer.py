@@ -61,8 +61,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 import math
 import threading
@@ -79,6 +77,7 @@ from vertexrt.runtime.context import Context
 from vertexrt.runtime.entry import Preempted
 from vertexrt.runtime.progress import Progress
 from vertexrt.runtime.state import GeneratorState, StateTracker, is_json_value
+from vertexrt.runtime.trainer_ddp import DdpWrapping, unwrap
 
 if TYPE_CHECKING:
     from vertexrt.checkpoint import CheckpointManager
@@ -174,7 +173,7 @@ class Trainer(StateTracker):
         self._saved: dict[str, Any] | None = None  # the loop position of the last checkpoint
         self._tracked_names: set[str] = set()  # names given to track()
         self._config_names: set[str] | None = None  # attributes set before fit(): configuration
-        self._wrapped: dict[str, Any] = {}  # attribute -> the module the Trainer wrapped in DDP
+        self._ddp = DdpWrapping(self)  # the module attributes wrapped in DDP during fit()
         self._eval_batches: int | None = None  # batches through interruptible() in this evaluate()
         self._tb: Any = None
         self._multi_replica = False  # world_size > 1 (set by fit): one checkpoint shard per rank
@@ -249,7 +248,7 @@ class Trainer(StateTracker):
 
         replicated: dict[str, Any] = {}
         local: dict[str, Any] = {"_loop": _LocalState(self), "_rng": rng_state()}  # tracked names lack _
-        tracked = {name: _unwrap(value) for name, value in self.app_state().items()}
+        tracked = {name: unwrap(value) for name, value in self.app_state().items()}
         for name, value in tracked.items():
             (local if _is_per_rank(value) else replicated)[name] = value
         data = trainer_data.read_position_of(getattr(self, "train_data", None))
@@ -298,7 +297,7 @@ class Trainer(StateTracker):
         try:
             return self._fit()
         finally:
-            self._unwrap_modules()  # after fit, self.model is the user's module again
+            self._ddp.unwrap_all()  # after fit, self.model is the user's module again
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None
@@ -323,7 +322,7 @@ class Trainer(StateTracker):
 
         warn_if_inexact(data, f"{type(self).__name__}.train_data")
         if self._multi_replica and self.ddp:
-            self._wrap_modules()
+            self._ddp.wrap(skip=self.untracked, world_size=self.ctx.world_size)
         full = self.state()
         self._layout = self._sharded_layout(full)
         if self._layout is not None:  # every rank saves its shards and its own state through DCP
@@ -355,7 +354,7 @@ class Trainer(StateTracker):
         self.ctx.watchdog.stop()  # an export may take long without a step
         if self.ctx.is_chief:
             logger.info("exporting the model to %s", self.ctx.env.model_dir)
-            with self._unwrapped():
+            with self._ddp.bare():
                 self.export(self.ctx.env.model_dir)
         return dict(self._loop.eval_metrics)
 
@@ -372,41 +371,6 @@ class Trainer(StateTracker):
             )
         return data  # type: ignore[no-any-return]
 
-    def _wrap_modules(self) -> None:
-        """Wrap each trainable module attribute that does not synchronise gradients in DDP."""
-        import torch
-
-        from vertexrt.checkpoint.dcp import holds_dtensors
-
-        modules = {
-            name: value
-            for name, value in vars(self).items()
-            if not name.startswith("_")
-            and name not in self.untracked
-            and isinstance(value, torch.nn.Module)
-            and not _synchronised(value)
-            and any(p.requires_grad for p in value.parameters())
-        }
-        for name, module in list(modules.items()):
-            if holds_dtensors(module):  # sharded (FSDP2 / tensor parallel): DTensors synchronise themselves
-                _check_no_plain_parameters(name, module)
-                del modules[name]
-        inner = {id(sub) for m in modules.values() for sub in itertools.islice(m.modules(), 1, None)}
-        for name, module in modules.items():
-            if id(module) in inner:  # a part of another module that is wrapped
-                continue
-            device = next(module.parameters()).device
-            ids = [device.index] if device.type == "cuda" else None
-            setattr(self, name, torch.nn.parallel.DistributedDataParallel(module, device_ids=ids))
-            self._wrapped[name] = module
-        if self._wrapped:
-            logger.info(
-                "wrapped %s in DistributedDataParallel for %d replicas (Trainer(ddp=False) leaves modules as "
-                "they are)",
-                ", ".join(f"self.{name}" for name in self._wrapped),
-                self.ctx.world_size,
-            )
-
     def _sharded_layout(self, full: dict[str, Any]) -> Any:
         """The DCP layout of the state when a module or optimizer holds DTensors, else None."""
         from vertexrt.checkpoint.dcp import holds_dtensors
@@ -417,24 +381,6 @@ class Trainer(StateTracker):
 
         ctx, pickle = self.ctx, bool(getattr(self.checkpoints, "allow_pickle", False))
         return ShardedLayout(full, self._loop, rank=ctx.rank, world_size=ctx.world_size, allow_pickle=pickle)
-
-    def _unwrap_modules(self) -> None:
-        """Put back the modules the Trainer wrapped in DDP (a later ``fit()`` wraps them again)."""
-        wrapped, self._wrapped = self._wrapped, {}
-        for name, module in wrapped.items():
-            setattr(self, name, module)
-
-    @contextlib.contextmanager
-    def _unwrapped(self) -> Iterator[None]:
-        """The modules the Trainer wrapped, bare, for the duration of the block."""
-        wrappers = {name: getattr(self, name) for name in self._wrapped}
-        for name, module in self._wrapped.items():
-            setattr(self, name, module)
-        try:
-            yield
-        finally:
-            for name, wrapper in wrappers.items():
-                setattr(self, name, wrapper)
 
     def _attribute_values(self) -> dict[str, Any]:
         """The plain attributes saved with this rank's checkpoint (see the module docstring)."""
@@ -654,51 +600,6 @@ def _weighted(metrics: Mapping[str, Any], default_count: int) -> dict[str, tuple
             raise ConfigError(f"evaluate() returned {name!r} with count {count!r}; a count must be >= 0")
         weighted[name] = (float(value), float(count))
     return weighted
-
-
-def _check_no_plain_parameters(name: str, module: Any) -> None:
-    """A module holding DTensors must hold nothing else trainable: no DDP can wrap it, and nothing would
-    average a plain parameter's gradients, so the replicas' copies would silently drift apart.
-
-    Under tensor parallelism alone a plain parameter is a bug too: a replicated one is a DTensor with a
-    ``Replicate()`` placement, whose gradient DTensor reduces where the placements call for it and which DCP
-    saves as one replicated value; a plain tensor gets neither (each rank's copy is its own).
-    """
-    from torch.distributed.tensor import DTensor
-
-    plain = [p for p, v in module.named_parameters() if v.requires_grad and not isinstance(v, DTensor)]
-    if not plain:
-        return
-    shown = ", ".join(f"self.{name}.{p}" for p in plain[:8]) + (
-        f" and {len(plain) - 8} more" if len(plain) > 8 else ""
-    )
-    fsdp = any(_synchronised(sub) for sub in module.modules())
-    fix = (
-        f"also call fully_shard(self.{name}) on the root module after fully_shard on its layers"
-        if fsdp
-        else "make them Replicate() DTensors too: distribute_module(<submodule>, mesh, input_fn=...) with an "
-        "input_fn that turns its inputs into DTensors, or parallelize_module(..., {'<submodule>': "
-        "SequenceParallel()}) for a norm over sequence-sharded activations"
-    )
-    kind = "FSDP2" if fsdp else "tensor parallel"
-    raise ConfigError(
-        f"self.{name} holds DTensor parameters ({kind}) and plain trainable "
-        f"parameters ({shown}) whose gradients nothing averages across the ranks, so they would "
-        f"diverge: {fix} (or Trainer(ddp=False) if the step synchronises them itself)"
-    )
-
-
-def _synchronised(module: Any) -> bool:
-    """True for DistributedDataParallel and FSDP (1 and 2) modules: they average gradients themselves."""
-    names = {"DistributedDataParallel", "FullyShardedDataParallel", "FSDPModule"}
-    return any(cls.__name__ in names for cls in type(module).__mro__)
-
-
-def _unwrap(value: Any) -> Any:
-    """The module inside a DistributedDataParallel wrapper (its state_dict keys lack ``module.``)."""
-    if type(value).__name__ == "DistributedDataParallel":
-        return value.module
-    return value
 
 
 def _is_per_rank(value: Any) -> bool:
