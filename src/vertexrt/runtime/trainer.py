@@ -62,7 +62,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -72,7 +71,7 @@ from vertexrt import audit
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, DataError
 from vertexrt.phases import long_phase
-from vertexrt.runtime import trainer_data
+from vertexrt.runtime import eval_metrics, trainer_data
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.entry import Preempted
 from vertexrt.runtime.progress import Progress
@@ -533,6 +532,8 @@ class Trainer(StateTracker):
     def _evaluate(self) -> None:
         if not self.has_evaluate():
             return
+        from vertexrt.distributed.collectives import torch_dist
+
         self._loop.eval_pending = True  # saved only if preempted inside evaluate(): redone on resume
         self._eval_batches = 0
         audit.event("eval", step=self._loop.step)
@@ -543,7 +544,8 @@ class Trainer(StateTracker):
             finally:
                 self._eval_batches = None
                 audit.event("eval_end", step=self._loop.step)
-            metrics = self._average(_weighted(returned, counted or 1))
+            dist = torch_dist() if self._multi_replica else None
+            metrics = eval_metrics.average_over_ranks(eval_metrics.weighted(returned, counted or 1), dist)
         self._loop.eval_pending = False
         self._loop.last_eval_step = self.step
         self._loop.eval_metrics = metrics
@@ -551,20 +553,6 @@ class Trainer(StateTracker):
             self.ctx.metrics.report(metrics, step=self.step)
             if self._tb is not None:
                 self._tb.scalars({f"eval/{name}": value for name, value in metrics.items()}, self.step)
-
-    def _average(self, weighted: dict[str, tuple[float, float]]) -> dict[str, float]:
-        """The count-weighted mean of each metric over all ranks (one all-gather with several replicas)."""
-        from vertexrt.distributed.collectives import all_gather, torch_dist
-
-        everyone = all_gather(weighted, torch_dist() if self._multi_replica else None)
-        totals: dict[str, list[float]] = {}
-        for rank_metrics in everyone:
-            for name, (value, count) in rank_metrics.items():
-                total = totals.setdefault(name, [0.0, 0.0])
-                if count > 0:
-                    total[0] += value * count
-                    total[1] += count
-        return {name: s / c if c > 0 else math.nan for name, (s, c) in totals.items()}
 
     def _save(self, *, force: bool) -> None:
         shard = self.ctx.rank if self._multi_replica else None
@@ -582,24 +570,6 @@ class Trainer(StateTracker):
             self._save(force=True)
         self.checkpoints.wait()
         raise Preempted(self.step)
-
-
-def _weighted(metrics: Mapping[str, Any], default_count: int) -> dict[str, tuple[float, float]]:
-    """``{name: (value, count)}`` from what ``evaluate()`` returned."""
-    weighted = {}
-    for name, given in metrics.items():
-        if isinstance(given, tuple):
-            if len(given) != 2:
-                raise ConfigError(
-                    f"evaluate() returned {name!r}: {given!r}; give a number or a (value, count) pair"
-                )
-            value, count = given
-        else:
-            value, count = given, default_count
-        if float(count) < 0:
-            raise ConfigError(f"evaluate() returned {name!r} with count {count!r}; a count must be >= 0")
-        weighted[name] = (float(value), float(count))
-    return weighted
 
 
 def _is_per_rank(value: Any) -> bool:
