@@ -64,19 +64,25 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from vertexrt import audit
 from vertexrt.checkpoint.resuming import log_resuming
-from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, DataError
+from vertexrt.errors import CheckpointCorruptError, ConfigError
 from vertexrt.phases import long_phase
 from vertexrt.runtime import eval_metrics, trainer_data
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.entry import Preempted
 from vertexrt.runtime.progress import Progress
-from vertexrt.runtime.state import GeneratorState, StateTracker, is_json_value
+from vertexrt.runtime.state import StateTracker
 from vertexrt.runtime.trainer_ddp import DdpWrapping, unwrap
+from vertexrt.runtime.trainer_state import (
+    LoopAndAttributes,
+    LoopState,
+    is_per_rank,
+    plain_attributes,
+    restore_newest,
+)
 
 if TYPE_CHECKING:
     from vertexrt.checkpoint import CheckpointManager
@@ -84,41 +90,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass
-class LoopState:
-    """Where the loop is; saved with every checkpoint under ``"_loop"``."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
-    last_eval_step: int = -1
-    eval_pending: bool = False
-    eval_metrics: dict[str, float] = field(default_factory=dict)
-
-    def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        for f in fields(self):
-            if f.name in state:
-                setattr(self, f.name, state[f.name])
-
-
-class _LocalState:
-    """The loop position plus the trainer's plain (JSON-able) attributes, read at save time."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**self.trainer._loop.state_dict(), "attributes": self.trainer._attribute_values()}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.trainer._loop.load_state_dict(state)
-        for name, value in (state.get("attributes") or {}).items():
-            setattr(self.trainer, name, value)
 
 
 class Trainer(StateTracker):
@@ -246,10 +217,11 @@ class Trainer(StateTracker):
         from vertexrt.checkpoint import rng_state
 
         replicated: dict[str, Any] = {}
-        local: dict[str, Any] = {"_loop": _LocalState(self), "_rng": rng_state()}  # tracked names lack _
+        loop = LoopAndAttributes(self._loop, self._attribute_values, self)
+        local: dict[str, Any] = {"_loop": loop, "_rng": rng_state()}  # tracked names lack _
         tracked = {name: unwrap(value) for name, value in self.app_state().items()}
         for name, value in tracked.items():
-            (local if _is_per_rank(value) else replicated)[name] = value
+            (local if is_per_rank(value) else replicated)[name] = value
         data = trainer_data.read_position_of(getattr(self, "train_data", None))
         if data is not None and all(data is not value for value in tracked.values()):
             local["_train_data"] = data
@@ -383,14 +355,10 @@ class Trainer(StateTracker):
 
     def _attribute_values(self) -> dict[str, Any]:
         """The plain attributes saved with this rank's checkpoint (see the module docstring)."""
-        config, tracked = self._config_names or set(), self.app_state()
-        values = {}
-        for name, value in vars(self).items():
-            if name.startswith("_") or name in self.untracked or name in tracked or name == "train_data":
-                continue
-            if (name not in config or name in self._tracked_names) and is_json_value(value):
-                values[name] = value
-        return values
+        skip = {*self.untracked, *self.app_state(), "train_data"}
+        return plain_attributes(
+            self, config=self._config_names or set(), tracked=self._tracked_names, skip=skip
+        )
 
     def _open_tensorboard(self) -> Any:
         if not (self.tensorboard and self.ctx.is_chief):
@@ -408,21 +376,8 @@ class Trainer(StateTracker):
             self._tb.scalars({f"train/{name}": value for name, value in metrics.items()}, step)
 
     def _restore(self) -> None:
-        from vertexrt.distributed.collectives import all_max, broadcast, torch_dist
-
-        manager, dist = self.checkpoints, torch_dist()
-        newest_first = broadcast(manager.all_steps()[::-1] if self.ctx.rank == 0 else None, dist)
-        for step in newest_first:  # every rank tries the same step; all move on if any rank fails it
-            error = self._restore_step(step)
-            [worst] = all_max([_outcome(error)], dist)
-            if worst == _RESTORED:
-                break
-            if worst == _FAILED:  # not a damaged step: falling back to an older one would lose progress
-                raise _restore_failure(step, manager.directory, error) from error
-            logger.warning("checkpoint step %d is unusable on some rank: trying the previous one", step)
-        else:
-            what = "no usable checkpoint" if newest_first else "no checkpoint"
-            logger.info("%s in %s: starting from step 0", what, manager.directory)
+        manager = self.checkpoints
+        if not restore_newest(manager, self._restore_step, rank=self.ctx.rank):
             return
         self._saved = self._loop.state_dict()
         log_resuming(manager.directory, self.step, f"epoch {self.epoch}, batch {self._loop.batch_in_epoch}")
@@ -570,38 +525,3 @@ class Trainer(StateTracker):
             self._save(force=True)
         self.checkpoints.wait()
         raise Preempted(self.step)
-
-
-def _is_per_rank(value: Any) -> bool:
-    """Generators and data (iterables that are not modules) differ per rank; the rest is replicated."""
-    if isinstance(value, GeneratorState):
-        return True
-    return hasattr(value, "__iter__") and not hasattr(value, "parameters")
-
-
-def _restore_failure(step: int, directory: str, error: Exception | None) -> Exception:
-    """What stops fit() when ``step`` failed to restore on some rank for a reason other than damage."""
-    data_error = error
-    while data_error is not None and not isinstance(data_error, DataError):
-        data_error = data_error.__cause__  # type: ignore[assignment]
-    if data_error is not None:  # a reader's saved position does not fit the data as opened now
-        return DataError(
-            f"checkpoint step {step} in {directory} holds a read position the data as opened now cannot "
-            f"take: {data_error}. fit() restores every reader's position with the weights: open the data "
-            "as when that checkpoint was saved, or start the run fresh with an empty checkpoint directory "
-            f"(a new AIP_CHECKPOINT_DIR; off Vertex a new VERTEXRT_LOCAL_DIR, or delete {directory})"
-        )
-    return CheckpointError(
-        f"restoring checkpoint step {step} from {directory} failed"
-        + (f": {error}" if error else " on another rank (its log says why)")
-        + "; fix the cause (storage access, permissions) and restart the job"
-    )
-
-
-_RESTORED, _DAMAGED, _FAILED = 0, 1, 2  # a restore attempt, ordered so that the worst rank's wins
-
-
-def _outcome(error: Exception | None) -> int:
-    if error is None:
-        return _RESTORED
-    return _DAMAGED if isinstance(error, CheckpointCorruptError) else _FAILED
