@@ -2,6 +2,16 @@
 
 `report` writes exactly what `cloudml-hypertune` writes (the file the tuning service reads), but only
 from the chief, refuses NaN/inf/non-numeric values, and warns when the tag is not the one being tuned.
+
+cloudml-hypertune (0.1.0.dev6) is not a dependency, though its file format is kept byte for byte
+(tests/test_hypertune.py writes both and compares): all it would contribute is five fields serialised by
+``json.dumps(sort_keys=True)``, and writing through it would drop the checks this module exists for. Its
+``HyperTune`` rewrites the metric file in place (``open(path, "w")``: the service can read it empty or half
+written; here a temporary file is renamed over it); keeps its last 100 reports per instance with no lock
+(two reporters, threads or instances, overwrite each other's lines; here one queue per file under a lock);
+creates the directory after an ``exists`` check, which crashes on a bare file name and races another process;
+writes ``float(value)`` unchecked (``"nan"``) from every rank; and has no hook to change any of that short of
+overriding its private ``_dump_metrics_to_file``.
 `parse_args` reads the trial's `--name=value` / `--name value` flags, tolerates integers that arrive as
 `"256.0"`, and ignores unknown flags (with a warning) only when asked.
 
