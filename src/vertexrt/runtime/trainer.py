@@ -83,6 +83,7 @@ from vertexrt.runtime.trainer_state import (
     plain_attributes,
     restore_newest,
 )
+from vertexrt.runtime.trainer_tensorboard import TrainerScalars
 
 if TYPE_CHECKING:
     from vertexrt.checkpoint import CheckpointManager
@@ -145,7 +146,7 @@ class Trainer(StateTracker):
         self._config_names: set[str] | None = None  # attributes set before fit(): configuration
         self._ddp = DdpWrapping(self)  # the module attributes wrapped in DDP during fit()
         self._eval_batches: int | None = None  # batches through interruptible() in this evaluate()
-        self._tb: Any = None
+        self._tb: TrainerScalars | None = None
         self._multi_replica = False  # world_size > 1 (set by fit): one checkpoint shard per rank
         self._layout: Any = None  # a ShardedLayout when modules hold DTensors (FSDP2 / tensor parallel)
         self._replay = False  # the read position was not restored: replay the epoch and skip
@@ -285,7 +286,8 @@ class Trainer(StateTracker):
                 "checkpoints and preemption: use @vertexrt.main(framework='torch') or call "
                 "vertexrt.init_torch() first (for TensorFlow use the vertexrt.keras callbacks)"
             )
-        self._tb = self._open_tensorboard()  # before setup(): its imports happen before the user seeds
+        enabled = self.tensorboard and self.ctx.is_chief  # opened before setup(): before the user seeds
+        self._tb = TrainerScalars.open(self.ctx.env.tensorboard_log_dir, enabled=enabled)
         self.setup()
         data = self._train_data()
         trainer_data.check_equalized(data, self.ctx.world_size, type(self).__name__)
@@ -308,7 +310,7 @@ class Trainer(StateTracker):
             interval=self.progress_interval,
             bar=self.progress_bar,
             enabled=self.ctx.is_chief,
-            on_log=self._write_train_scalars if self._tb is not None else None,
+            on_log=self._tb.train if self._tb is not None else None,
         )
         try:
             if self._loop.eval_pending:
@@ -359,21 +361,6 @@ class Trainer(StateTracker):
         return plain_attributes(
             self, config=self._config_names or set(), tracked=self._tracked_names, skip=skip
         )
-
-    def _open_tensorboard(self) -> Any:
-        if not (self.tensorboard and self.ctx.is_chief):
-            return None
-        from vertexrt import tensorboard
-
-        try:
-            return tensorboard.writer(self.ctx.env.tensorboard_log_dir, backend="scalars", chief_only=False)
-        except ConfigError as err:
-            logger.info("no TensorBoard events written: %s", err)
-            return None
-
-    def _write_train_scalars(self, step: int, metrics: Mapping[str, float]) -> None:
-        if self._tb is not None:
-            self._tb.scalars({f"train/{name}": value for name, value in metrics.items()}, step)
 
     def _restore(self) -> None:
         manager = self.checkpoints
@@ -507,7 +494,7 @@ class Trainer(StateTracker):
         if metrics:
             self.ctx.metrics.report(metrics, step=self.step)
             if self._tb is not None:
-                self._tb.scalars({f"eval/{name}": value for name, value in metrics.items()}, self.step)
+                self._tb.evaluation(self.step, metrics)
 
     def _save(self, *, force: bool) -> None:
         shard = self.ctx.rank if self._multi_replica else None
