@@ -44,6 +44,11 @@ The read position is exact when ``train_data`` is a vertexrt reader, a ``vertexr
 DataLoader over ``reader.as_torch()`` without worker processes; otherwise a resume replays the epoch and skips
 the batches already trained on, and ``fit()`` warns when that cannot be exact (a shuffled ``RandomSampler``).
 
+This module holds the loop and the public API; its parts live beside it: ``trainer_state`` (the loop
+position and attributes saved, the ranks' agreement on the step to restore), ``trainer_ddp`` (wrapping
+modules in DDP), ``trainer_sharded`` (the DCP layout of DTensor modules), ``trainer_data`` (epochs, read
+positions, batch sizes), ``eval_metrics`` (weighting and averaging over ranks), ``trainer_tensorboard``.
+
 Example:
     >>> class MyTrainer(vertexrt.Trainer):
     ...     def setup(self):
@@ -144,7 +149,7 @@ class Trainer(StateTracker):
         self._saved: dict[str, Any] | None = None  # the loop position of the last checkpoint
         self._tracked_names: set[str] = set()  # names given to track()
         self._config_names: set[str] | None = None  # attributes set before fit(): configuration
-        self._ddp = DdpWrapping(self)  # the module attributes wrapped in DDP during fit()
+        self._ddp_wrapping = DdpWrapping(self)  # the module attributes wrapped in DDP during fit()
         self._eval_batches: int | None = None  # batches through interruptible() in this evaluate()
         self._tb: TrainerScalars | None = None
         self._multi_replica = False  # world_size > 1 (set by fit): one checkpoint shard per rank
@@ -269,7 +274,7 @@ class Trainer(StateTracker):
         try:
             return self._fit()
         finally:
-            self._ddp.unwrap_all()  # after fit, self.model is the user's module again
+            self._ddp_wrapping.unwrap_all()  # after fit, self.model is the user's module again
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None
@@ -295,7 +300,7 @@ class Trainer(StateTracker):
 
         warn_if_inexact(data, f"{type(self).__name__}.train_data")
         if self._multi_replica and self.ddp:
-            self._ddp.wrap(skip=self.untracked, world_size=self.ctx.world_size)
+            self._ddp_wrapping.wrap(skip=self.untracked, world_size=self.ctx.world_size)
         full = self.state()
         self._layout = self._sharded_layout(full)
         if self._layout is not None:  # every rank saves its shards and its own state through DCP
@@ -327,7 +332,7 @@ class Trainer(StateTracker):
         self.ctx.watchdog.stop()  # an export may take long without a step
         if self.ctx.is_chief:
             logger.info("exporting the model to %s", self.ctx.env.model_dir)
-            with self._ddp.bare():
+            with self._ddp_wrapping.bare():
                 self.export(self.ctx.env.model_dir)
         return dict(self._loop.eval_metrics)
 
