@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from vertexrt._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "Cluster": "vertexrt.distributed.model",
-    "Pool": "vertexrt.distributed.model",
+    "Cluster": "vertexrt.distributed.cluster_model",
+    "Pool": "vertexrt.distributed.cluster_model",
     "cluster": "vertexrt.distributed.detection",
     "world_info": "vertexrt.distributed.detection",
     "WorldInfo": "vertexrt.distributed.detection",
@@ -48,12 +48,12 @@ __all__ = [
 
 if TYPE_CHECKING:
     from vertexrt.distributed import launcher, sources
+    from vertexrt.distributed.cluster_model import Cluster, Pool
     from vertexrt.distributed.detection import (
         WorldInfo,
         cluster,
         world_info,
     )
-    from vertexrt.distributed.model import Cluster, Pool
     from vertexrt.distributed.tensorflow import setup_tensorflow, tf_config
     from vertexrt.distributed.torch import (
         TorchHandle,

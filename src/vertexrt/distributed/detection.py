@@ -24,7 +24,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from vertexrt.distributed.model import Cluster
+from vertexrt.distributed.cluster_model import Cluster
 from vertexrt.distributed.sources import SOURCES
 from vertexrt.errors import ClusterSpecError
 

@@ -29,8 +29,8 @@ from typing import Any
 from vertexrt import devices
 from vertexrt._net import free_port
 from vertexrt.distributed import rendezvous
+from vertexrt.distributed.cluster_model import Cluster
 from vertexrt.distributed.detection import cluster as current_cluster
-from vertexrt.distributed.model import Cluster
 from vertexrt.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 
-from vertexrt.distributed.model import Cluster
+from vertexrt.distributed.cluster_model import Cluster
 from vertexrt.distributed.sources import tf_config
 from vertexrt.distributed.sources.base import ClusterJSON, ClusterSource, parse_cluster_json, small_int
 from vertexrt.errors import ClusterSpecError, ClusterSpecWarning

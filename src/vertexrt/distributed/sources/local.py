@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vertexrt.distributed.model import Cluster
+from vertexrt.distributed.cluster_model import Cluster
 from vertexrt.distributed.sources.base import ClusterSource, trial_id
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vertexrt.distributed.model import Cluster
+from vertexrt.distributed.cluster_model import Cluster
 from vertexrt.distributed.sources.base import ClusterSource, int_env, rendezvous_from_master, trial_id
 from vertexrt.errors import ClusterSpecError
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vertexrt.distributed.model import Cluster
+from vertexrt.distributed.cluster_model import Cluster
 from vertexrt.distributed.sources import cluster_spec, tf_config
 from vertexrt.distributed.sources.base import (
     ClusterJSON,
