@@ -37,17 +37,17 @@ __all__ = [
     "TorchHandle",
     "WorldInfo",
     "cluster",
+    "cluster_sources",
     "init_torch",
     "launcher",
     "setup_tensorflow",
-    "sources",
     "spawn",
     "tf_config",
     "world_info",
 ]
 
 if TYPE_CHECKING:
-    from vertexrt.distributed import launcher, sources
+    from vertexrt.distributed import cluster_sources, launcher
     from vertexrt.distributed.cluster_model import Cluster, Pool
     from vertexrt.distributed.detection import (
         WorldInfo,
@@ -63,4 +63,4 @@ if TYPE_CHECKING:
     from vertexrt.errors import ClusterSpecWarning
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, ("launcher", "sources"), __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, ("cluster_sources", "launcher"), __all__)
