@@ -37,7 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("data",),
     ("hypertune",),
     ("tensorboard",),
-    ("diagnostics", "doctor"),  # the preflight of @main and Trainer.fit: storage, cluster, devices
+    ("doctor",),  # the preflight of @main and Trainer.fit: storage, cluster, devices
     ("runtime",),
     ("keras", "integrations"),  # the framework edge, over runtime/
     ("cli",),
