@@ -36,12 +36,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint",),
     ("data",),
     ("hypertune",),
-    ("tensorboard",),
+    ("tensorboard", "tensorboard_events"),  # tensorboard_events: the framework-free scalar writer
     ("doctor",),  # the preflight of @main and Trainer.fit: storage, cluster, devices
     ("runtime",),
     ("keras", "integrations"),  # the framework edge, over runtime/
     ("cli",),
-    ("",),  # the package itself: `import vertexrt` re-exports everything, lazily
+    (".",),  # the package itself (``vertexrt/__init__.py``): re-exports every layer, lazily
 ]
 
 
@@ -130,11 +130,11 @@ def imports() -> list[Import]:
 
 def layer_of(module: str) -> int:
     """The index in :data:`LAYERS` of ``module`` (its longest listed prefix)."""
-    rest = module.removeprefix(PACKAGE).removeprefix(".")
+    rest = module.removeprefix(PACKAGE).removeprefix(".") or "."
     best, best_length = None, -1
     for index, prefixes in enumerate(LAYERS):
         for prefix in prefixes:
-            matches = prefix == "" or rest == prefix or rest.startswith(prefix + ".")
+            matches = rest == prefix or rest.startswith(prefix + ".")
             if matches and len(prefix) > best_length:
                 best, best_length = index, len(prefix)
     assert best is not None, f"{module} is in no layer of LAYERS: place it there"
