@@ -28,27 +28,33 @@ TESTS = Path(__file__).resolve().parent
 
 
 def run_job(
-    command: list[str], cwd: Path, timeout: float, env: Mapping[str, str] | None = None
+    command: list[str],
+    cwd: Path,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    *,
+    merge_stderr: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``command`` (stdout and stderr merged); on timeout its whole process group is killed and the test
-    fails with the output's tail."""
+    """Run ``command``, stdout and stderr merged (or apart with ``merge_stderr=False``, for tests that check
+    what went to which); on timeout its whole process group is killed and the test fails with the output's
+    tail."""
     proc = subprocess.Popen(
         command,
         cwd=cwd,
         env=None if env is None else dict(env),
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
         errors="replace",
         start_new_session=True,
     )
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # a launcher's reaper then ends its replicas
-        out, _ = proc.communicate()
-        pytest.fail(f"{command} did not finish in {timeout} s:\n{out[-5000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, "")
+        out, err = proc.communicate()
+        pytest.fail(f"{command} did not finish in {timeout} s:\n{out[-5000:]}{(err or '')[-5000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err or "")
 
 
 MARK = "VERTEXRT_TEST_MARK"
