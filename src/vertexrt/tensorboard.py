@@ -33,8 +33,6 @@ from vertexrt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-_COMPOSE_TIMEOUT = 60.0  # seconds for the one compose request; one that times out is retried at the next sync
-
 BACKENDS = ("tf", "torch", "tensorboardX", "files")
 #: Seconds ``close()`` may spend on the last upload once a preemption notice arrived: the grace between
 #: SIGTERM and SIGKILL belongs to the checkpoint (events not uploaded by then are lost with the VM).
@@ -298,6 +296,9 @@ def _append_object(fs: Any, path: str, done: int, delta: bytes) -> None:
             fs.rm_file(part)
         except Exception as err:  # the events are appended: a stray part object only costs storage
             logger.warning("TensorBoard: could not delete %s (%s); delete it by hand", part, err)
+
+
+_COMPOSE_TIMEOUT = 60.0  # seconds for the one compose request; one that times out is retried at the next sync
 
 
 def _compose_once(fs: Any, path: str, part: str) -> None:
