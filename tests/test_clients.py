@@ -50,7 +50,7 @@ def test_top_level_names_come_from_clients():
     assert vertexrt.bigquery_client is clients.bigquery_client
 
 
-@pytest.mark.parametrize("module", ["env", "paths", "clients", "uris", "cli", "diagnostics"])
+@pytest.mark.parametrize("module", ["env", "paths", "clients", "uris", "cli", "doctor"])
 def test_each_module_imports_alone_and_env_never_loads_paths(module):
     code = (
         "import sys, importlib\n"
@@ -58,9 +58,9 @@ def test_each_module_imports_alone_and_env_never_loads_paths(module):
         "import vertexrt.env as env\n"
         "env.environment(); env.project_from_environ()\n"
         "assert 'vertexrt.paths' not in sys.modules or "
-        f"'{module}' in ('paths', 'cli', 'diagnostics'), sorted(sys.modules)\n"
+        f"'{module}' in ('paths', 'cli', 'doctor'), sorted(sys.modules)\n"
         "assert 'vertexrt.clients' not in sys.modules or "
-        f"'{module}' in ('clients', 'cli', 'diagnostics'), sorted(sys.modules)\n"
+        f"'{module}' in ('clients', 'cli', 'doctor'), sorted(sys.modules)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

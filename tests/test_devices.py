@@ -114,8 +114,10 @@ def test_nccl_defaults_only_fill_what_is_unset() -> None:
     ("module", "must_not_load"),
     [
         ("vertexrt.devices", ()),
-        ("vertexrt.distributed.torch", ("vertexrt.devices",)),  # distributed is above devices
-        ("vertexrt.distributed.launcher", ("vertexrt.devices",)),
+        # world detection sits below devices (tests/test_layers.py); the torch bootstrap above it uses it
+        ("vertexrt.distributed.detection", ("vertexrt.devices",)),
+        ("vertexrt.distributed.torch", ()),
+        ("vertexrt.distributed.launcher", ()),
         ("vertexrt.distributed", ("vertexrt.devices",)),
     ],
 )

@@ -53,8 +53,8 @@ def test_errors_and_warnings_all_live_in_errors_and_are_exported() -> None:
 
 
 def test_documented_submodules_are_attributes() -> None:
-    assert vertexrt.diagnostics.contract_warnings is not None
-    assert {"diagnostics", "paths", "keras"} <= set(dir(vertexrt))
+    assert vertexrt.doctor.contract_warnings is not None
+    assert {"doctor", "paths", "keras"} <= set(dir(vertexrt))
 
 
 def test_star_import_needs_no_optional_framework() -> None:

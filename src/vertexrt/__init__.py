@@ -11,10 +11,9 @@ Example:
 from __future__ import annotations
 
 from vertexrt._lazy import lazy_exports
+from vertexrt._version import __version__ as __version__
 
 TYPE_CHECKING = False  # not `from typing import ...`: importing typing costs ~10 ms
-
-__version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -64,7 +63,6 @@ _SUBMODULES = (
     "clients",
     "data",
     "devices",
-    "diagnostics",
     "distributed",
     "doctor",
     "emulator",
@@ -113,7 +111,6 @@ __all__ = [
     "cluster",
     "data",
     "devices",
-    "diagnostics",
     "distributed",
     "doctor",
     "emulator",
@@ -145,8 +142,8 @@ if TYPE_CHECKING:
         clients,
         data,
         devices,
-        diagnostics,
         distributed,
+        doctor,
         emulator,
         env,
         errors,

@@ -98,7 +98,7 @@ def info_report() -> dict[str, Any]:
         report["environment"] = {k: _shown(v) for k, v in fields.items()} | {"on_vertex": env.on_vertex}
     report["cluster"] = _cluster_summary(warnings)
     try:
-        from vertexrt.diagnostics import contract_warnings
+        from vertexrt.doctor import contract_warnings
 
         warnings += contract_warnings()
     except Exception as err:  # noqa: BLE001

@@ -10,6 +10,9 @@ real Vertex job, each bucket used); credentials and the project; the ``AIP_*_DAT
 GPUs visible vs the processes on the node; ``/dev/shm`` size for DataLoader workers; free local disk vs the
 last checkpoint; NCCL variables that contradict each other.
 
+The same module holds the quick checks of the runtime contract that ``vertexrt info`` (and ``@main``, on
+Vertex) print as warnings, without threads or probes: :func:`contract_warnings`.
+
 Example:
     >>> from vertexrt import doctor
     >>> findings = doctor.preflight(timeout=5.0)   # logs warnings once, raises PreflightError on fatal ones
@@ -251,10 +254,56 @@ def writable(label: str, directory: str) -> list[Finding]:
 
 
 def contract() -> list[Finding]:
-    """The output-directory warnings of ``vertexrt info`` (:mod:`vertexrt.diagnostics`)."""
-    from vertexrt.diagnostics import output_dir_warnings
-
+    """The output-directory warnings of ``vertexrt info`` (:func:`output_dir_warnings`), as findings."""
     return [Finding("warning", "contract", text) for text in output_dir_warnings()]
+
+
+def contract_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Human-readable warnings about the contract this process sees (empty when all is well).
+
+    Malformed or disagreeing ``CLUSTER_SPEC``/``TF_CONFIG`` are reported by
+    :func:`vertexrt.distributed.cluster`; these are the output-directory and project checks.
+    """
+    from vertexrt.env import project_id
+
+    warnings = output_dir_warnings(environ)
+    try:
+        project_id()
+    except ConfigError as err:
+        warnings.append(f"project not resolvable: {err}")
+    return warnings
+
+
+def output_dir_warnings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Warnings about ``AIP_*_DIR`` inside a Vertex job: unset, or not on Cloud Storage (lost at the end).
+
+    A ``vertexrt local-run`` simulation (``VERTEXRT_LOCAL_RUN``) keeps its outputs on this machine on
+    purpose: nothing is lost, so nothing is said.
+
+    Example:
+        >>> output_dir_warnings({"CLOUD_ML_JOB_ID": "1", "AIP_MODEL_DIR": "/tmp/m"})[0][:30]
+        "AIP_MODEL_DIR='/tmp/m' is neit"
+    """
+    from vertexrt.paths import redact
+
+    environ = os.environ if environ is None else environ
+    on_vertex = bool(environ.get("CLOUD_ML_JOB_ID") or environ.get("CLUSTER_SPEC"))
+    if not on_vertex or environ.get("VERTEXRT_LOCAL_RUN"):
+        return []
+    warnings: list[str] = []
+    for name in ("AIP_MODEL_DIR", "AIP_CHECKPOINT_DIR", "AIP_TENSORBOARD_LOG_DIR"):
+        value = environ.get(name)
+        if value is not None and not value.strip().startswith(("gs://", "/gcs/")):
+            warnings.append(
+                f"{name}={redact(value)!r} is neither a gs:// URI nor a /gcs/ path: on Vertex anything "
+                "else is lost when the job ends"
+            )
+        elif value is None:
+            warnings.append(
+                f"{name} is not set (the job has no baseOutputDirectory): outputs fall back to the "
+                "container's disk and are lost when the job ends"
+            )
+    return warnings
 
 
 def mount(bucket: str) -> list[Finding]:

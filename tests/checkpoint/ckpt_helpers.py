@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from vertexrt import paths
-from vertexrt._net import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -90,26 +87,10 @@ def disk_full_scenario(root: str) -> str:
 
 
 def run_ranks(script: str, world: int, argv: Callable[[int, int], list[str]]) -> list[tuple[int, str, str]]:
-    """Run ``script`` (beside this file) as ``world`` real processes, ``argv(rank, port)`` each with one free
-    port for all; (returncode, stdout, stderr) per rank. Every process is killed if the test gives up."""
-    port = free_port()
-    path = [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]  # tests/: rank_exit
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    command = [sys.executable, os.path.join(HERE, script)]
-    procs = [
-        subprocess.Popen(
-            [*command, *argv(rank, port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-        )
-        for rank in range(world)
-    ]
-    try:
-        outputs = [proc.communicate(timeout=120) for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs, strict=True)]
+    """:func:`jobs.run_ranks` of ``script``, a worker beside this file."""
+    import jobs  # here: worker processes import this module with only tests/checkpoint on their path
+
+    return jobs.run_ranks(os.path.join(HERE, script), world, argv)
 
 
 def assert_every_rank_ok(results: list[tuple[int, str, str]], what: str) -> list[str]:

@@ -6,19 +6,17 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from jobs import run_job
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "checkpoint_resume.py")
 
 
 def _run(directory: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, EXAMPLE, "--dir", directory, "--steps", "80", *extra],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    command = [sys.executable, EXAMPLE, "--dir", directory, "--steps", "80", *extra]
+    return run_job(command, Path(directory).parent, 120, merge_stderr=False)
 
 
 def _interrupt(directory: str, sig: int, after_saves: int) -> subprocess.Popen:

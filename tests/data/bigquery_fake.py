@@ -5,6 +5,11 @@ It answers the six endpoints google-cloud-bigquery needs to get a table, page th
 ``POST jobs``, ``GET jobs/{id}``, ``POST queries``, ``GET queries/{id}`` (paged),
 ``GET datasets/{d}/tables/{t}``, ``GET datasets/{d}/tables/{t}/data`` (paged: startIndex, maxResults,
 pageToken, selectedFields). Point the client at it with ``BIGQUERY_EMULATOR_HOST=http://127.0.0.1:PORT``.
+
+Why a second BigQuery double beside bqemulator (``tests/bqemulator_launcher.py``, the Storage Read API
+tests): ``test_bigquery.py`` proves the REST reader pages over HTTP by counting the requests it sent
+(:attr:`FakeBigQuery.requests`), which bqemulator does not report, and this server starts in-process in
+milliseconds with no separate virtualenv. Tests of the Storage Read path, resume and sessions use bqemulator.
 """
 
 from __future__ import annotations

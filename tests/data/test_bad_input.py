@@ -8,7 +8,7 @@ from vertexrt import paths
 from vertexrt.data import TFRecordWriter, open_dataset
 from vertexrt.errors import DataError, PathError
 
-from .conftest import write_bytes
+from .conftest import read_all, write_bytes
 
 
 def tfrecord_file(root: str, n: int = 6, size: int = 40) -> tuple[str, bytes]:
@@ -18,10 +18,6 @@ def tfrecord_file(root: str, n: int = 6, size: int = 40) -> tuple[str, bytes]:
             writer.write(bytes([i]) * size)
     with paths.open(uri, "rb") as f:
         return uri, f.read()
-
-
-def read_all(uri: str, **kw: object) -> list[object]:
-    return list(open_dataset(uri, shuffle=False, rank=0, world_size=1, **kw))  # type: ignore[arg-type]
 
 
 def test_tfrecord_flipped_payload_byte(storage_root: str) -> None:

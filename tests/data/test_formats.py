@@ -10,13 +10,9 @@ import pytest
 from vertexrt import paths
 from vertexrt.data import CSV, JSONL, Parquet, open_dataset
 
-from .conftest import write_bytes
+from .conftest import read_all, write_bytes
 
 RECORDS = [{"id": i, "text": f"row {i}", "score": i / 4, "tags": ["a", "b"][: i % 3]} for i in range(500)]
-
-
-def read_all(uri: str, **kw: object) -> list[object]:
-    return list(open_dataset(uri, shuffle=False, rank=0, world_size=1, **kw))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("gz", [False, True])

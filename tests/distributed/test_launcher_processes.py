@@ -13,10 +13,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from jobs import CLUSTER_VARIABLES, MARK, marked_processes
 
 from vertexrt.distributed.launcher import OutputRelay
-
-from .conftest import CLUSTER_VARIABLES, MARK, marked_processes
 
 pytestmark = pytest.mark.slow
 

@@ -11,12 +11,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from jobs import run_tree
 
 from vertexrt.distributed import Cluster, cluster, tf_config
 from vertexrt.distributed.tensorflow import KERAS_ADVICE, _choose, _extra_keys, _steer_keras, keras_flavour
 from vertexrt.errors import ClusterSpecError, ConfigError
 
-from .conftest import SCRIPTS, run_tree
+from .conftest import SCRIPTS
 
 POOLS = {
     "workerpool0": ["cmle-training-workerpool0-ab-0:2222"],

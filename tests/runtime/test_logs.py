@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs import run_job
 
 from vertexrt.errors import ConfigError
 from vertexrt.runtime.logs import MAX_ENTRY_BYTES, JsonLineFormatter, setup_logging
@@ -244,10 +245,7 @@ SCRIPT = textwrap.dedent(
 def _run_script(tmp_path: Path, script: str, **env: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "train.py"
     path.write_text(script)
-    return subprocess.run(
-        [sys.executable, str(path)], cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
+    return run_job([sys.executable, str(path)], tmp_path, 120, {**os.environ, **env}, merge_stderr=False)
 
 
 def test_a_failing_job_on_vertex_writes_only_json_lines_to_stdout(vertex_env: Any, tmp_path: Path) -> None:
@@ -308,10 +306,8 @@ def test_the_users_package_logs_at_info_when_run_with_dash_m(clean_env: None, tm
         "@vertexrt.main\ndef train(ctx):\n    model.build()\n"
         "    logging.getLogger('fsspec').info('chatter')\n\ntrain()\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "mytrainer.task"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "VERTEXRT_LOG_FORMAT": "text"},
-    )  # fmt: skip
+    env = {**os.environ, "VERTEXRT_LOG_FORMAT": "text"}
+    done = run_job([sys.executable, "-m", "mytrainer.task"], tmp_path, 120, env, merge_stderr=False)
     assert done.returncode == 0, done.stderr
     assert "INFO mytrainer.model: built" in done.stderr and "chatter" not in done.stderr
 

@@ -33,13 +33,8 @@ def _local_run(tmp_path: Path, *options: str, timeout: float) -> tuple[int, str]
 
 
 def _run(mode: str, timeout: float, tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(SCRIPTS / "hang.py"), mode, str(timeout)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    command = [sys.executable, str(SCRIPTS / "hang.py"), mode, str(timeout)]
+    return run_job(command, tmp_path, 120, merge_stderr=False)
 
 
 def test_timeout_comes_from_the_argument_the_environment_or_the_default(monkeypatch) -> None:
@@ -125,14 +120,7 @@ def test_a_job_that_hung_once_resumes_from_its_checkpoint_and_finishes(tmp_path)
 )
 def test_the_trainer_and_ctx_step_feed_the_process_watchdog(tmp_path, script, last_step) -> None:
     env = dict(os.environ, VERTEXRT_HANG_TIMEOUT="2", VERTEXRT_LOCAL_DIR=str(tmp_path))
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / script)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
+    done = run_job([sys.executable, str(SCRIPTS / script)], tmp_path, 120, env, merge_stderr=False)
     assert done.returncode == HANG_EXIT_CODE, done.stderr[-3000:]
     assert "FINISHED" not in done.stdout
     assert f"(last completed step: {last_step})" in done.stderr, done.stderr[-3000:]
@@ -141,14 +129,8 @@ def test_the_trainer_and_ctx_step_feed_the_process_watchdog(tmp_path, script, la
 
 def _phases(mode: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, VERTEXRT_HANG_TIMEOUT="1", VERTEXRT_LOCAL_DIR=str(tmp_path))
-    return subprocess.run(
-        [sys.executable, str(SCRIPTS / "slow_phases.py"), mode, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=tmp_path,
-    )
+    command = [sys.executable, str(SCRIPTS / "slow_phases.py"), mode, str(tmp_path)]
+    return run_job(command, tmp_path, 120, env, merge_stderr=False)
 
 
 @pytest.mark.parametrize("mode", ["first_step", "evaluate", "snapshot", "loader_startup", "counting"])

@@ -53,7 +53,7 @@ def environment() -> str:
     except (ConfigError, ClusterSpecError, VertexrtError):
         return env.model_dir
     finally:
-        print(vertexrt.diagnostics.contract_warnings(), vertexrt.distributed.cluster().rank)
+        print(vertexrt.doctor.contract_warnings(), vertexrt.distributed.cluster().rank)
         print(issubclass(ClusterSpecWarning, VertexrtWarning), vertexrt.ClusterSpecWarning)
         print(vertexrt.CheckpointCorruptError, vertexrt.data.open_dataset, vertexrt.errors.DataError)
 

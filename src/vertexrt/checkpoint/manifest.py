@@ -254,6 +254,6 @@ def _frameworks() -> dict[str, str]:
 
 
 def _version() -> str:
-    from vertexrt import __version__
+    from vertexrt._version import __version__
 
     return __version__

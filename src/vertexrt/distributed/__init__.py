@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from vertexrt._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
-    "Cluster": "vertexrt.distributed.model",
-    "Pool": "vertexrt.distributed.model",
+    "Cluster": "vertexrt.distributed.cluster_model",
+    "Pool": "vertexrt.distributed.cluster_model",
     "cluster": "vertexrt.distributed.detection",
     "world_info": "vertexrt.distributed.detection",
     "WorldInfo": "vertexrt.distributed.detection",
@@ -37,23 +37,23 @@ __all__ = [
     "TorchHandle",
     "WorldInfo",
     "cluster",
+    "cluster_sources",
     "init_torch",
     "launcher",
     "setup_tensorflow",
-    "sources",
     "spawn",
     "tf_config",
     "world_info",
 ]
 
 if TYPE_CHECKING:
-    from vertexrt.distributed import launcher, sources
+    from vertexrt.distributed import cluster_sources, launcher
+    from vertexrt.distributed.cluster_model import Cluster, Pool
     from vertexrt.distributed.detection import (
         WorldInfo,
         cluster,
         world_info,
     )
-    from vertexrt.distributed.model import Cluster, Pool
     from vertexrt.distributed.tensorflow import setup_tensorflow, tf_config
     from vertexrt.distributed.torch import (
         TorchHandle,
@@ -63,4 +63,4 @@ if TYPE_CHECKING:
     from vertexrt.errors import ClusterSpecWarning
 
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, ("launcher", "sources"), __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, ("cluster_sources", "launcher"), __all__)

@@ -24,8 +24,8 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from vertexrt.distributed.model import Cluster
-from vertexrt.distributed.sources import SOURCES
+from vertexrt.distributed.cluster_model import Cluster
+from vertexrt.distributed.cluster_sources import SOURCES
 from vertexrt.errors import ClusterSpecError
 
 

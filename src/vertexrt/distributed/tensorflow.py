@@ -27,8 +27,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from vertexrt.distributed import rendezvous
+from vertexrt.distributed.cluster_model import Cluster
 from vertexrt.distributed.detection import cluster as current_cluster
-from vertexrt.distributed.model import Cluster
 from vertexrt.errors import ClusterSpecError, ConfigError
 
 logger = logging.getLogger(__name__)

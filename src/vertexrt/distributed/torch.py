@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from vertexrt import devices
 from vertexrt._net import free_port
 from vertexrt.distributed import rendezvous
+from vertexrt.distributed.cluster_model import Cluster
 from vertexrt.distributed.detection import cluster as current_cluster
-from vertexrt.distributed.model import Cluster
 from vertexrt.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,6 @@ def init_torch(
     if dist.is_initialized():
         return _handle(dist, c, device)
     if chosen == "nccl":
-        from vertexrt import devices  # devices sits below distributed (DESIGN's layers): imported at use
-
         devices.apply_nccl_defaults()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's own GPU, picked by its local rank
@@ -164,8 +163,6 @@ def process_group_arguments(c: Cluster, backend: str, num_gpus: int) -> tuple[st
         ('nccl', device(type='cuda', index=1), {'device_id': device(type='cuda', index=1)})
     """
     import torch
-
-    from vertexrt import devices
 
     device = torch.device(devices.select_device(c.local_rank, c.local_world_size, num_gpus))
     devices.warn_unused_gpus(c.local_world_size, num_gpus)
@@ -281,8 +278,6 @@ def child_environment(c: Cluster, local_rank: int, nprocs: int, rendezvous: str)
 
 def _process_count(nprocs: int | str) -> int:
     if nprocs == "gpu":
-        from vertexrt import devices
-
         return max(devices.gpu_count(), 1)
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(f"spawn(nprocs={nprocs!r}): expected a positive integer or 'gpu'")

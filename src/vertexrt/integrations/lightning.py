@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 
 from vertexrt import audit
 from vertexrt.checkpoint.resuming import log_resuming
-from vertexrt.distributed.model import Cluster
+from vertexrt.distributed.cluster_model import Cluster
 from vertexrt.distributed.torch import destroy_at_exit
 from vertexrt.errors import ConfigError
 from vertexrt.integrations._lightning_bases import Callback, CheckpointIO, ClusterEnvironment

@@ -293,7 +293,7 @@ def _log_contract_warnings(ctx: Context) -> None:
     """The checks of ``vertexrt info`` (output directories, project), as warnings, on Vertex only."""
     if not ctx.env.on_vertex:
         return
-    from vertexrt.diagnostics import contract_warnings
+    from vertexrt.doctor import contract_warnings
 
     for warning in contract_warnings():
         logger.warning("vertexrt: %s", warning)

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vertexrt.distributed.model import Cluster
-from vertexrt.distributed.sources import cluster_spec, tf_config
-from vertexrt.distributed.sources.base import (
+from vertexrt.distributed.cluster_model import Cluster
+from vertexrt.distributed.cluster_sources import cluster_spec, tf_config
+from vertexrt.distributed.cluster_sources.base import (
     ClusterJSON,
     ClusterSource,
     int_env,
     rendezvous_from_master,
     trial_id,
 )
-from vertexrt.distributed.sources.master import rank_and_world_size
+from vertexrt.distributed.cluster_sources.master import rank_and_world_size
 from vertexrt.errors import ClusterSpecError
 
 

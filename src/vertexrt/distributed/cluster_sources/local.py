@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vertexrt.distributed.model import Cluster
-from vertexrt.distributed.sources.base import ClusterSource, trial_id
+from vertexrt.distributed.cluster_model import Cluster
+from vertexrt.distributed.cluster_sources.base import ClusterSource, trial_id
 
 
 class LocalSource(ClusterSource):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vertexrt.distributed.model import Cluster
-from vertexrt.distributed.sources.base import (
+from vertexrt.distributed.cluster_model import Cluster
+from vertexrt.distributed.cluster_sources.base import (
     ClusterJSON,
     ClusterSource,
     parse_cluster_json,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from vertexrt.distributed.sources.base import ClusterSource
-from vertexrt.distributed.sources.cluster_spec import ClusterSpecSource
-from vertexrt.distributed.sources.local import LocalSource
-from vertexrt.distributed.sources.master import MasterSource
-from vertexrt.distributed.sources.tf_config import TFConfigSource
-from vertexrt.distributed.sources.torchrun import TorchrunSource
+from vertexrt.distributed.cluster_sources.base import ClusterSource
+from vertexrt.distributed.cluster_sources.cluster_spec import ClusterSpecSource
+from vertexrt.distributed.cluster_sources.local import LocalSource
+from vertexrt.distributed.cluster_sources.master import MasterSource
+from vertexrt.distributed.cluster_sources.tf_config import TFConfigSource
+from vertexrt.distributed.cluster_sources.torchrun import TorchrunSource
 
 #: Detection order: the first source whose ``detect`` is true describes the process.
 SOURCES: tuple[type[ClusterSource], ...] = (

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from vertexrt.distributed.model import Cluster
-from vertexrt.distributed.sources.base import ClusterSource, int_env, rendezvous_from_master, trial_id
+from vertexrt.distributed.cluster_model import Cluster
+from vertexrt.distributed.cluster_sources.base import ClusterSource, int_env, rendezvous_from_master, trial_id
 from vertexrt.errors import ClusterSpecError
 
 DEFAULT_PORT = 29500

@@ -15,9 +15,14 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping
 
-from vertexrt.distributed.model import Cluster
-from vertexrt.distributed.sources import tf_config
-from vertexrt.distributed.sources.base import ClusterJSON, ClusterSource, parse_cluster_json, small_int
+from vertexrt.distributed.cluster_model import Cluster
+from vertexrt.distributed.cluster_sources import tf_config
+from vertexrt.distributed.cluster_sources.base import (
+    ClusterJSON,
+    ClusterSource,
+    parse_cluster_json,
+    small_int,
+)
 from vertexrt.errors import ClusterSpecError, ClusterSpecWarning
 
 VARIABLE = "CLUSTER_SPEC"

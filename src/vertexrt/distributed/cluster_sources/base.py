@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from vertexrt.distributed.model import TRAINING_ROLES, Cluster, Pool
+from vertexrt.distributed.cluster_model import TRAINING_ROLES, Cluster, Pool
 from vertexrt.errors import ClusterSpecError
 
 #: Bounds on a cluster variable, checked before it is parsed: Vertex's own documents are a few KiB and nest

@@ -1,0 +1,3 @@
+"""vertexrt's version, in a module of its own that imports nothing, so every layer may read it."""
+
+__version__ = "0.1.0"
