@@ -26,11 +26,14 @@ import functools
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
+from vertexrt.env import CRASH_LOOP_EXIT_CODE
 from vertexrt.errors import ConfigError
 from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE, UnpolledWatch, preemption_signal
+from vertexrt.runtime import attempts
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.logs import setup_logging
 
@@ -191,6 +194,7 @@ def _run(
         _log_banner(ctx)
         if ctx.is_chief and not preflight:  # the preflight checks include these
             _log_contract_warnings(ctx)
+        guard = attempts.guard(ctx.env.checkpoint_dir, rank=ctx.rank, replica=ctx.replica, job=ctx.env.job_id)
         try:
             result: R | None = user_fn(ctx, ctx.args) if wants_args else user_fn(ctx)
         except Preempted:
@@ -203,10 +207,17 @@ def _run(
             logger.error("%s failed: %s: %s", where, type(err).__name__, err)
             if hasattr(err, "add_note"):  # Python >= 3.11: shown under the traceback
                 err.add_note(f"vertexrt: raised on {where}")
+            crash_loop = guard.failed(err, ctx.watchdog.last_step) if guard is not None else None
+            if crash_loop is not None:
+                traceback.print_exception(err)
+                logger.error("%s", crash_loop)
+                raise SystemExit(CRASH_LOOP_EXIT_CODE) from err
             raise
         manager = ctx._checkpoints
         if manager is not None:
             manager.wait()
+        if guard is not None and (ctx.preempted or notice.requested):
+            guard.preempted(ctx.watchdog.last_step)
         if ctx.preempted:
             logger.warning(
                 "preempted: checkpoint saved in %s; exiting %d so the replica restarts and resumes",

@@ -127,6 +127,11 @@ class HangWatchdog:
         elif self._last is not None:
             self._last = time.monotonic()
 
+    @property
+    def last_step(self) -> int | None:
+        """The last step reported to :meth:`beat`, or ``None`` before the first."""
+        return self._step
+
     def start(self) -> HangWatchdog:
         """Start the watching thread (once; the countdown begins at the first ``beat(step)``); returns
         ``self``."""
