@@ -175,3 +175,40 @@ def test_preemptions_never_count_as_crashes(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-3000:]
     assert done.stdout.count("exited with code 143") == 2 and "attempt 4" in done.stdout
     assert "crash loop" not in done.stdout
+
+
+def test_a_trainer_failing_at_the_same_step_is_stopped_on_its_second_attempt(
+    runtime_env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import torch
+
+    from vertexrt.runtime import Trainer
+
+    class FailsAtStep7(Trainer):
+        def setup(self) -> None:
+            self.model = torch.nn.Linear(1, 1)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+            self.train_data = [torch.ones(2, 1)] * 10
+
+        def train_step(self, batch: Any) -> dict[str, Any]:
+            if self.step + 1 == 7:
+                raise ValueError("a bad batch")
+            loss = self.model(batch).sum()
+            self.optimizer.zero_grad()
+            loss.backward()
+            self.optimizer.step()
+            return {"loss": loss.detach()}
+
+    monkeypatch.setenv("CLOUD_ML_JOB_ID", "1234")
+    monkeypatch.setenv("AIP_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
+
+    @main(preflight=False)
+    def train(ctx: Context) -> None:
+        FailsAtStep7(ctx, max_epochs=1, progress_bar=False).fit()
+
+    with pytest.raises(ValueError):
+        train()
+    with pytest.raises(SystemExit) as stopped:
+        train()
+    assert stopped.value.code == CRASH_LOOP_EXIT_CODE
+    assert "failed after step 6 with ValueError: a bad batch [ValueError@" in caplog.text

@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
+from vertexrt import audit
 from vertexrt.env import CRASH_LOOP_EXIT_CODE
 from vertexrt.errors import ConfigError
 from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE, UnpolledWatch, preemption_signal
@@ -207,7 +208,7 @@ def _run(
             logger.error("%s failed: %s: %s", where, type(err).__name__, err)
             if hasattr(err, "add_note"):  # Python >= 3.11: shown under the traceback
                 err.add_note(f"vertexrt: raised on {where}")
-            crash_loop = guard.failed(err, ctx.watchdog.last_step) if guard is not None else None
+            crash_loop = guard.failed(err, audit.last_step()) if guard is not None else None
             if crash_loop is not None:
                 traceback.print_exception(err)
                 logger.error("%s", crash_loop)
@@ -217,7 +218,7 @@ def _run(
         if manager is not None:
             manager.wait()
         if guard is not None and (ctx.preempted or notice.requested):
-            guard.preempted(ctx.watchdog.last_step)
+            guard.preempted(audit.last_step())
         if ctx.preempted:
             logger.warning(
                 "preempted: checkpoint saved in %s; exiting %d so the replica restarts and resumes",
