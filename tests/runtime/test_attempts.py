@@ -212,3 +212,20 @@ def test_a_trainer_failing_at_the_same_step_is_stopped_on_its_second_attempt(
         train()
     assert stopped.value.code == CRASH_LOOP_EXIT_CODE
     assert "failed after step 6 with ValueError: a bad batch [ValueError@" in caplog.text
+
+
+def test_a_hang_after_the_same_step_twice_is_a_crash_loop_too(runtime_env: Any, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "CLOUD_ML_JOB_ID": "77",
+        "AIP_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
+        "VERTEXRT_HANG_TIMEOUT": "1",
+        "VERTEXRT_LOG_FORMAT": "text",
+    }
+    command = [sys.executable, str(SCRIPT.parent / "hang_after_step_3.py")]
+    first = run_job(command, tmp_path, 60, env)
+    assert first.returncode == 134, first.stdout[-3000:]  # the watchdog's own code: Vertex restarts it
+    second = run_job(command, tmp_path, 60, env)
+    assert second.returncode == CRASH_LOOP_EXIT_CODE, second.stdout[-3000:]
+    assert "crash loop: replica" in second.stdout and "failed after step 3 with no progress" in second.stdout
+    assert "[hang@" in second.stdout and "threading.py:wait]" in second.stdout

@@ -219,28 +219,33 @@ class CrashLoopGuard:
         self.rank = rank
 
     def failed(self, err: BaseException, step: int | None) -> str | None:
-        """Record the failure ``err`` at ``step``; the crash-loop message when the previous attempt of this
-        rank failed the same way at the same step, else ``None``."""
-        attempt = Attempt(
-            outcome="failed",
-            job=self.log.job,
-            step=step,
-            fingerprint=fingerprint(err),
-            error=f"{type(err).__name__}: {err}"[:_MAX_TEXT],
-            replica=self.replica,
-            time=time.time(),
-        )
+        """Record the failure ``err`` after ``step``; the crash-loop message when the previous attempt of
+        this rank failed the same way after the same step, else ``None``."""
+        error = f"{type(err).__name__}: {err}"[:_MAX_TEXT]
+        return self._judge(fingerprint(err), error, step, "traceback above")
+
+    def hung(self, step: int | None, where: str) -> int | None:
+        """The hang watchdog fired after ``step`` with the main thread in ``where`` (``file:function``):
+        record it; :data:`CRASH_LOOP_EXIT_CODE` when the previous attempt hung there too, else ``None``."""
+        message = self._judge(f"hang@{where}", f"no progress, stuck in {where}", step, "stacks above")
+        if message is None:
+            return None
+        logger.error("%s", message)
+        return CRASH_LOOP_EXIT_CODE
+
+    def _judge(self, print_: str, error: str, step: int | None, evidence: str) -> str | None:
+        attempt = Attempt("failed", self.log.job, step, print_, error, self.replica, time.time())
         previous = self._quietly(self.log.previous)
         self._quietly(lambda: self.log.append(attempt))
         if previous is None or not previous.same_failure(attempt):
             return None
         at = "before the first step" if step is None else f"after step {step}"
         return (
-            f"crash loop: replica {self.replica} (rank {self.rank}) failed {at} with {attempt.error} "
-            f"[{attempt.fingerprint}], the same failure at the same step as in its previous attempt "
-            f"(attempt log {self.log.directory}). Restarting would fail the same way and spend Vertex's "
-            f"restart budget (5 restarts per worker, then 3 retries of the job), so this replica exits "
-            f"{CRASH_LOOP_EXIT_CODE}, which Vertex treats as permanent. Fix the error (traceback above) and "
+            f"crash loop: replica {self.replica} (rank {self.rank}) failed {at} with {error} [{print_}], "
+            f"the same failure at the same step as in its previous attempt (attempt log "
+            f"{self.log.directory}). Restarting would fail the same way and spend Vertex's restart budget "
+            f"(5 restarts per worker, then 3 retries of the job), so this replica exits "
+            f"{CRASH_LOOP_EXIT_CODE}, which Vertex treats as permanent. Fix the error ({evidence}) and "
             f"resubmit; {SWITCH_VARIABLE}=0 lets the platform restart it anyway."
         )
 

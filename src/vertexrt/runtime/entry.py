@@ -196,6 +196,8 @@ def _run(
         if ctx.is_chief and not preflight:  # the preflight checks include these
             _log_contract_warnings(ctx)
         guard = attempts.guard(ctx.env.checkpoint_dir, rank=ctx.rank, replica=ctx.replica, job=ctx.env.job_id)
+        if guard is not None:
+            ctx.watchdog.judge = guard.hung  # a hang after the same step twice is a loop too
         try:
             result: R | None = user_fn(ctx, ctx.args) if wants_args else user_fn(ctx)
         except Preempted:
@@ -246,6 +248,8 @@ def _run(
     finally:
         if watch is not None:
             watch.stop()
+        if ctx._watchdog is not None:
+            ctx._watchdog.judge = None
         try:
             ctx.close(drain=not failed)
             if owns_process_group and failed:
