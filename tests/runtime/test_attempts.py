@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -229,3 +230,23 @@ def test_a_hang_after_the_same_step_twice_is_a_crash_loop_too(runtime_env: Any, 
     assert second.returncode == CRASH_LOOP_EXIT_CODE, second.stdout[-3000:]
     assert "crash loop: replica" in second.stdout and "failed after step 3 with no progress" in second.stdout
     assert "[hang@" in second.stdout and "threading.py:wait]" in second.stdout
+
+
+def test_a_failure_after_the_preemption_notice_is_not_a_crash(
+    runtime_env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CLOUD_ML_JOB_ID", "1234")
+    monkeypatch.setenv("AIP_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
+
+    @main(preflight=False)
+    def train(ctx: Context) -> None:
+        ctx.step(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # the notice; then a peer's exit breaks a collective
+        assert ctx.should_stop()
+        raise ConnectionResetError("peer closed the connection")
+
+    for _ in range(2):  # the same error after the same step, twice: still no crash loop
+        with pytest.raises(ConnectionResetError):
+            train()
+    records = sorted((tmp_path / "checkpoints" / "attempts" / "rank-0").glob("*.json"))
+    assert [json.loads(r.read_text())["outcome"] for r in records] == ["preempted", "preempted"]

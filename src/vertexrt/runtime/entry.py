@@ -210,11 +210,8 @@ def _run(
             logger.error("%s failed: %s: %s", where, type(err).__name__, err)
             if hasattr(err, "add_note"):  # Python >= 3.11: shown under the traceback
                 err.add_note(f"vertexrt: raised on {where}")
-            crash_loop = guard.failed(err, audit.last_step()) if guard is not None else None
-            if crash_loop is not None:
-                traceback.print_exception(err)
-                logger.error("%s", crash_loop)
-                raise SystemExit(CRASH_LOOP_EXIT_CODE) from err
+            if guard is not None:
+                _judge(guard, err, preempting=notice.requested)
             raise
         manager = ctx._checkpoints
         if manager is not None:
@@ -260,6 +257,20 @@ def _run(
                 _destroy_process_group()
         finally:
             undo_logging()
+
+
+def _judge(guard: attempts.CrashLoopGuard, err: Exception, *, preempting: bool) -> None:
+    """Record the failure ``err`` with the crash-loop guard; exit 93 when it repeats the previous attempt's.
+    A failure after the preemption notice (raised while the job is torn down) is recorded as a preemption."""
+    step = audit.last_step()
+    if preempting:
+        guard.preempted(step)
+        return
+    message = guard.failed(err, step)
+    if message is not None:
+        traceback.print_exception(err)
+        logger.error("%s", message)
+        raise SystemExit(CRASH_LOOP_EXIT_CODE) from err
 
 
 def _setup_logging(ctx: Context, level: int | str, all_ranks: bool) -> Callable[[], None]:
