@@ -133,11 +133,15 @@ def test_a_script_that_resumes_exactly_is_certified(local_run, tmp_path: Path) -
 
 @pytest.mark.slow
 def test_a_script_that_forgets_its_optimizer_state_is_named(local_run, tmp_path: Path) -> None:
-    run = local_run("--chaos", "3", "--seed", "1", "--", "chaos_train.py", "--forget-momentum", timeout=240)
+    # seed 5 draws three SIGTERMs with a full grace: each run resumes from the save made at the notice.
+    # (A lost VM resumes from the last periodic save, which may be none: the forgetful script then starts
+    # over, and matches.)
+    assert {d.kind for d in schedule.draw(5, 3)} == {"one_replica", "eval", "slow_steps"}
+    run = local_run("--chaos", "3", "--seed", "5", "--", "chaos_train.py", "--forget-momentum", timeout=240)
     assert run.returncode == 1, run.output
     assert "model files differ: model.json" in run.output
     assert "the optimizer state, the RNG or the data position was not restored?" in run.output
-    assert "chaos seed 1: 3 of 3 faulted runs differ from the reference" in run.output
+    assert "chaos seed 5: 3 of 3 faulted runs differ from the reference" in run.output
 
 
 def test_chaos_refuses_options_that_place_their_own_faults_or_remote_outputs(capsys) -> None:
