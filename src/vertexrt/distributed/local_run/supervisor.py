@@ -1,7 +1,7 @@
 """The supervisor of a simulated job: starts the replicas, relays their output, judges the job by the chief,
 signals and tears down as Vertex would, restarts; chaos faults come in through a :class:`FaultSource`.
 
-Each training replica has a local disk of its own, kept across restarts as a VM's disk is (a directory
+Each replica has a local disk of its own, kept across restarts as a VM's disk is (a directory
 under a temporary one, ``$VERTEXRT_LOCAL_CHECKPOINT_DIR`` in the replica, shared by the processes of one
 replica); a lost VM (``lose_vm``, or a chaos fault with ``wipe``) loses it. A replica that stops a crash loop
 (:data:`vertexrt.env.CRASH_LOOP_EXIT_CODE`) ends the job without a restart, as Vertex ends a job on a
@@ -114,8 +114,8 @@ class Supervisor:
         main_thread = threading.current_thread() is threading.main_thread()
         handled = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
         previous = {s: signal.signal(s, self._on_signal) for s in handled}
-        self._watchdog = watchdog = _start_watchdog(self._run_id)
         self._disks = Path(tempfile.mkdtemp(prefix="vertexrt-local-disks-"))
+        self._watchdog = watchdog = _start_watchdog(self._run_id)
         try:
             attempt = 0
             while True:
