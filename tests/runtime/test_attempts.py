@@ -79,7 +79,7 @@ def test_an_attempt_of_another_job_is_not_compared(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "content",
     [b"{not json", b'{"outcome": "exploded", "job": "42"}', b'{"outcome": "failed", "job": "42", "step": -1}',
-     b"[1, 2]", b"x" * 20000],
+     b"[1, 2]", b"x" * 20000, b"[" * 10000],
 )  # fmt: skip
 def test_a_corrupt_record_is_a_warning_and_a_fresh_log(
     storage_root: str, content: bytes, caplog: pytest.LogCaptureFixture

@@ -121,7 +121,7 @@ class AttemptLog:
         newest = names[-1]
         try:
             record = self._read(newest)
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, RecursionError) as err:
             logger.warning(
                 "crash-loop guard: the attempt record %s is unreadable (%s): removed; the attempt log starts "
                 "afresh (nothing to fix unless this repeats: then check what else writes under %s)",
