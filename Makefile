@@ -39,9 +39,9 @@ test: lint
 	$(BIN)/pytest -q -p no:cacheprovider
 
 # The seeded fault certificate (`local-run --chaos`) over every certified example, with more seeds and
-# runs than `make test` (11 runs cover every fault kind).
+# runs than `make test` (12 runs cover every fault kind).
 certify: install
-	VERTEXRT_CERTIFY_SEEDS=1,2,3 VERTEXRT_CERTIFY_RUNS=11 $(BIN)/pytest -q -p no:cacheprovider tests/test_certify.py
+	VERTEXRT_CERTIFY_SEEDS=1,2,3 VERTEXRT_CERTIFY_RUNS=12 $(BIN)/pytest -q -p no:cacheprovider tests/test_certify.py
 
 check: lint
 	$(BIN)/pytest -q -p no:cacheprovider -m "not slow"

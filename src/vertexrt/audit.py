@@ -2,7 +2,8 @@
 
 vertexrt's hooks call it with one line each: steps (``HangWatchdog.beat``, which the Trainer, ``ctx.step()``
 and the Keras callback feed), epoch ends and evaluations (Trainer), checkpoint saves, commits and restores
-(``CheckpointManager``). Off (no ``VERTEXRT_AUDIT_DIR``), every call is one check of a cached flag. On, each
+(``CheckpointManager``). Off (no ``VERTEXRT_AUDIT_DIR``), every call is one check of a cached flag (and
+``step`` keeps the number for :func:`last_step`, which the crash-loop guard records). On, each
 event is one JSON line appended to ``$VERTEXRT_AUDIT_DIR/<replica>.jsonl`` with a single ``write`` on an
 ``O_APPEND`` file (no buffer a SIGKILL could lose; forked processes never interleave half lines).
 
@@ -100,6 +101,7 @@ class _Audit:
 
 _UNSET: Any = object()
 _audit: _Audit | None = _UNSET
+_last_step: int | None = None
 
 
 def _load() -> _Audit | None:
@@ -124,12 +126,20 @@ def active() -> bool:
 
 def step(number: int) -> None:
     """Step ``number`` completed (a number not above the last one is a position report, not a step)."""
+    global _last_step
+    _last_step = number
     audit = _audit
     if audit is None:
         return
     if audit is _UNSET and (audit := _load()) is None:
         return
     audit.on("step", {"step": number})
+
+
+def last_step() -> int | None:
+    """The last step any hook reported in this process, audited or not (``None`` before the first): what
+    the crash-loop guard records (:mod:`vertexrt.runtime.attempts`)."""
+    return _last_step
 
 
 def event(name: str, **fields: Any) -> None:

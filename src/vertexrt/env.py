@@ -71,6 +71,16 @@ SETTING_VARIABLES = (
 #: The variables of the contract, shown by ``vertexrt info``.
 CONTRACT_VARIABLES = PLATFORM_VARIABLES + SETTING_VARIABLES
 
+#: Exit codes Vertex treats as possibly transient: SIGABRT (6, or 134 from a custom container) and SIGSEGV
+#: (11, or 139); it retries the whole job up to 3 times. Any other non-zero exit of the code is a "user code
+#: exception", a permanent error that shuts the job down ("Understand the serverless training service",
+#: https://cloud.google.com/vertex-ai/docs/training/understanding-training-service#common-errors).
+TRANSIENT_EXIT_CODES = frozenset({6, 134, 11, 139})
+#: The exit code of a replica that the crash-loop guard stops (:mod:`vertexrt.runtime.attempts`): permanent
+#: on Vertex (not transient, below 128 so never read as a signal), and ``local-run`` does not restart it.
+#: NVIDIA's resiliency extension exits 93 for the same reason (restarts that make no progress).
+CRASH_LOOP_EXIT_CODE = 93
+
 #: Longest accepted value of a scalar variable, and of a JSON one (CLUSTER_SPEC, TF_CONFIG).
 MAX_VALUE_CHARS = 4096
 MAX_JSON_CHARS = 1 << 20

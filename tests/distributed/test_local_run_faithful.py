@@ -59,3 +59,31 @@ def test_only_a_bare_python_is_replaced() -> None:
     assert with_this_python(["python3", "t.py"]) == [sys.executable, "t.py"]
     assert with_this_python(["/usr/bin/python3", "t.py"]) == ["/usr/bin/python3", "t.py"]
     assert with_this_python(["bash", "-c", "python t.py"]) == ["bash", "-c", "python t.py"]
+
+
+def test_a_lost_vm_loses_its_local_disk_and_the_others_keep_theirs(local_run) -> None:
+    run = local_run("--workers", "3", "--lose-vm", "workerpool1-0@5", "--", "local_disk.py", timeout=90)
+    assert run.returncode == 0, run.output
+    before_loss = run.output.partition("the VM of workerpool1-0 is lost")[0]
+    assert before_loss.count("] ready") == 3, run.output  # every replica wrote to its disk before the loss
+    assert "SIGKILL with no grace, its local disk wiped" in run.output
+    assert "workerpool1-0 exited with code 137" in run.output
+    assert "restarting the whole job (restart 1 of 1)" in run.output
+    restarted = run.results()  # each replica's last report: the second attempt's
+    assert {label: r["attempt"] for label, r in restarted.items()} == {
+        "workerpool0-0": 2,
+        "workerpool1-0": 2,
+        "workerpool1-1": 2,
+    }
+    assert restarted["workerpool1-0"]["files"] == []
+    assert restarted["workerpool0-0"]["files"] == restarted["workerpool1-1"]["files"] == ["attempt-1"]
+    disks = {r["disk"] for r in restarted.values()}
+    assert len(disks) == 3  # a disk per replica
+    assert not any(Path(d).exists() for d in disks)  # and gone with the job, as a VM's
+
+
+def test_lose_vm_names_a_training_replica_of_the_job(local_run) -> None:
+    run = local_run("--workers", "2", "--lose-vm", "workerpool1-5@1", "--", "local_disk.py", timeout=30)
+    assert run.returncode == 2
+    assert "--lose-vm workerpool1-5@1: no such training replica" in run.output
+    assert "choose one of workerpool0-0, workerpool1-0" in run.output

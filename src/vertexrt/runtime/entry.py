@@ -26,11 +26,15 @@ import functools
 import logging
 import os
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
+from vertexrt import audit
+from vertexrt.env import CRASH_LOOP_EXIT_CODE
 from vertexrt.errors import ConfigError
 from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE, UnpolledWatch, preemption_signal
+from vertexrt.runtime import attempts
 from vertexrt.runtime.context import Context
 from vertexrt.runtime.logs import setup_logging
 
@@ -191,6 +195,9 @@ def _run(
         _log_banner(ctx)
         if ctx.is_chief and not preflight:  # the preflight checks include these
             _log_contract_warnings(ctx)
+        guard = attempts.guard(ctx.env.checkpoint_dir, rank=ctx.rank, replica=ctx.replica, job=ctx.env.job_id)
+        if guard is not None:
+            ctx.watchdog.judge = guard.hung  # a hang after the same step twice is a loop too
         try:
             result: R | None = user_fn(ctx, ctx.args) if wants_args else user_fn(ctx)
         except Preempted:
@@ -203,10 +210,14 @@ def _run(
             logger.error("%s failed: %s: %s", where, type(err).__name__, err)
             if hasattr(err, "add_note"):  # Python >= 3.11: shown under the traceback
                 err.add_note(f"vertexrt: raised on {where}")
+            if guard is not None:
+                _judge(guard, err, preempting=notice.requested)
             raise
         manager = ctx._checkpoints
         if manager is not None:
             manager.wait()
+        if guard is not None and (ctx.preempted or notice.requested):
+            guard.preempted(audit.last_step())
         if ctx.preempted:
             logger.warning(
                 "preempted: checkpoint saved in %s; exiting %d so the replica restarts and resumes",
@@ -234,6 +245,8 @@ def _run(
     finally:
         if watch is not None:
             watch.stop()
+        if ctx._watchdog is not None:
+            ctx._watchdog.judge = None
         try:
             ctx.close(drain=not failed)
             if owns_process_group and failed:
@@ -244,6 +257,20 @@ def _run(
                 _destroy_process_group()
         finally:
             undo_logging()
+
+
+def _judge(guard: attempts.CrashLoopGuard, err: Exception, *, preempting: bool) -> None:
+    """Record the failure ``err`` with the crash-loop guard; exit 93 when it repeats the previous attempt's.
+    A failure after the preemption notice (raised while the job is torn down) is recorded as a preemption."""
+    step = audit.last_step()
+    if preempting:
+        guard.preempted(step)
+        return
+    message = guard.failed(err, step)
+    if message is not None:
+        traceback.print_exception(err)
+        logger.error("%s", message)
+        raise SystemExit(CRASH_LOOP_EXIT_CODE) from err
 
 
 def _setup_logging(ctx: Context, level: int | str, all_ranks: bool) -> Callable[[], None]:

@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from vertexrt import audit
@@ -114,6 +115,9 @@ class HangWatchdog:
         self.exit_code = exit_code
         self._last: float | None = None  # monotonic time of the last beat; None: not armed yet
         self._step: int | None = None
+        #: Asked when the watchdog fires, with the last step and the main thread's innermost frame
+        #: (``file:function``): another exit code, or ``None`` for ``exit_code`` (the crash-loop guard).
+        self.judge: Callable[[int | None, str], int | None] | None = None
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -126,6 +130,11 @@ class HangWatchdog:
             audit.step(step)
         elif self._last is not None:
             self._last = time.monotonic()
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step reported to :meth:`beat`, or ``None`` before the first."""
+        return self._step
 
     def start(self) -> HangWatchdog:
         """Start the watching thread (once; the countdown begins at the first ``beat(step)``); returns
@@ -213,7 +222,17 @@ class HangWatchdog:
             except (OSError, ValueError, AttributeError):
                 pass
         _kill_children()
-        os._exit(self.exit_code)
+        code = self.judge(self._step, _main_thread_frame()) if self.judge is not None else None
+        os._exit(self.exit_code if code is None else code)
+
+
+def _main_thread_frame() -> str:
+    """``dir/file.py:function`` where the main thread is now (``?`` when it cannot be seen)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    if frame is None:
+        return "?"
+    where = "/".join(frame.f_code.co_filename.replace(os.sep, "/").split("/")[-2:])
+    return f"{where}:{frame.f_code.co_name}"
 
 
 _PROCESS_WATCHDOG: list[HangWatchdog] = []

@@ -86,7 +86,7 @@ class AuditedFaults:
         if b'"event": "fault"' not in complete:
             return None
         self._noticed.add(attempt)
-        return FaultNotice(fault.replica, fault.everyone, fault.grace)
+        return FaultNotice(fault.replica, fault.everyone, fault.grace, wipe=fault.wipe)
 
 
 def events(directory: Path, replica: str) -> list[dict[str, Any]]:

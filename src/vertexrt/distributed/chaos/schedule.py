@@ -23,6 +23,7 @@ KINDS: dict[str, str] = {
     "after_resume": "SIGTERM, then again on the first step after the resume",
     "twice": "SIGTERM twice in one run, at two random steps",
     "vm_lost": "SIGKILL with no grace (a VM lost)",
+    "vm_lost_disk": "SIGKILL with no grace, the replica's local disk wiped (a VM lost with its local disk)",
     "short_grace": "SIGTERM with a short grace",
     "one_replica": "SIGTERM to one replica only (the others learn of it from the stop vote)",
     "slow_steps": "SIGTERM while the step time grows",
@@ -60,13 +61,14 @@ class Profile:
 @dataclass(frozen=True)
 class Fault:
     """One fault of one attempt: the audit plan of the replica it lands in, who gets the notice, the
-    grace."""
+    grace, and whether the replica's local disk is lost with it."""
 
     plan: dict[str, Any]
     replica: str  # the label of the replica it lands in
     everyone: bool
     grace: float
     signal: str = "SIGTERM"
+    wipe: bool = False
 
 
 @dataclass
@@ -127,10 +129,11 @@ def place(run: Draw, profile: Profile, *, grace: float, short_grace: float, work
         one = _step_at(first * 0.5, profile)
         placed.faults[1] = _term({"on": "step", "at": one}, grace, chief)
         placed.faults[2] = _term({"on": "step", "at": _step_at(second, profile, low=one + 1)}, grace, chief)
-    elif kind == "vm_lost":
+    elif kind in ("vm_lost", "vm_lost_disk"):
         victim = workers[int(run.replica_pick * len(workers))]
         plan = {"fault": {"on": "step", "at": step, "signal": "SIGKILL"}}
-        placed.faults[1] = Fault(plan, victim, everyone=False, grace=0.0, signal="SIGKILL")
+        wipe = kind == "vm_lost_disk"
+        placed.faults[1] = Fault(plan, victim, everyone=False, grace=0.0, signal="SIGKILL", wipe=wipe)
     elif kind == "short_grace":
         placed.faults[1] = _term({"on": "step", "at": step}, short_grace, chief)
     elif kind == "one_replica":

@@ -24,8 +24,12 @@ value on Vertex is unverified).
 Fault injection: ``--stagger S`` starts the replicas S seconds apart, the chief replica last, as VMs come up
 on Vertex (the workers must wait for the chief's address); ``--preempt-after S`` preempts the first attempt S
 seconds after it starts (SIGTERM to each replica's main process only, as a container runtime signals PID 1;
-grace; SIGKILL) and restarts the whole job, unless every replica exited 0; ``--restarts N`` bounds restarts
-after a preemption or a failure (default 1 with ``--preempt-after``, else 0). ``--chaos N --seed S`` certifies
+grace; SIGKILL) and restarts the whole job, unless every replica exited 0; ``--lose-vm REPLICA@SECONDS``
+loses that replica's VM SECONDS into the first attempt (SIGKILL with no grace, its local disk wiped: each
+replica has one, ``$VERTEXRT_LOCAL_CHECKPOINT_DIR``, kept across restarts), a failure that restarts the
+whole job; ``--restarts N`` bounds restarts after a preemption or a failure (default 1 with
+``--preempt-after`` or ``--lose-vm``, else 0). A replica that stops a crash loop (exit 93, see
+:mod:`vertexrt.runtime.attempts`) ends the job without a restart. ``--chaos N --seed S`` certifies
 that the command resumes exactly under N seeded faults (:mod:`vertexrt.distributed.chaos.driver`). A bare
 ``python``/``python3`` command runs as this interpreter (``sys.executable``).
 
@@ -33,6 +37,7 @@ Example:
     $ vertexrt local-run --workers 2 -- python train.py --lr=0.1
     $ vertexrt local-run --workers 2 --processes-per-node 2 --preempt-after 20 -- python train.py
     $ vertexrt local-run --workers 2 --stagger 5 --training-data gs://b/train.jsonl -- python train.py
+    $ vertexrt local-run --workers 3 --lose-vm workerpool1-0@20 -- python train.py
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from collections.abc import Mapping, Sequence
 
 from vertexrt.distributed.local_run.environments import DATA_VARIABLES, JobSpec, with_this_python
 from vertexrt.distributed.local_run.relay import say
-from vertexrt.distributed.local_run.supervisor import Supervisor
+from vertexrt.distributed.local_run.supervisor import LostVM, Supervisor
 from vertexrt.errors import ConfigError
 
 
@@ -90,6 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="preempt the first attempt after SECONDS, then restart the whole job",
+    )
+    parser.add_argument(
+        "--lose-vm",
+        type=_lost_vm,
+        default=None,
+        metavar="REPLICA@SECONDS",
+        help="lose the VM of REPLICA (workerpool1-0) SECONDS into the first attempt: SIGKILL, no grace, its "
+        "local disk wiped; then restart the whole job",
     )
     parser.add_argument(
         "--restarts",
@@ -170,17 +183,27 @@ def run(args: argparse.Namespace) -> int:
         data=data_variables(args, os.environ),
         stagger=args.stagger,
     )
-    if args.chaos is not None:
-        if args.preempt_after is not None or args.trial:
+    if args.lose_vm is not None:
+        training = ["workerpool0-0", *(f"workerpool1-{i}" for i in range(job.workers - 1))]
+        if args.lose_vm.replica not in training:
             raise ConfigError(
-                "local-run: --chaos places its own faults; leave out --preempt-after and --trial"
+                f"local-run: --lose-vm {args.lose_vm.replica}@{args.lose_vm.seconds:g}: no such training "
+                f"replica in this job; choose one of {', '.join(training)}"
+            )
+    if args.chaos is not None:
+        if args.preempt_after is not None or args.lose_vm is not None or args.trial:
+            raise ConfigError(
+                "local-run: --chaos places its own faults; leave out --preempt-after, --lose-vm and --trial"
             )
         from vertexrt.distributed.chaos.driver import Options, certify
 
         options = Options(args.chaos, args.seed, args.grace, args.chaos_rtol, args.chaos_report)
         return certify(job, options)
-    restarts = args.restarts if args.restarts is not None else (1 if args.preempt_after is not None else 0)
-    return Supervisor(job, grace=args.grace, preempt_after=args.preempt_after, restarts=restarts).run()
+    faulted = args.preempt_after is not None or args.lose_vm is not None
+    restarts = args.restarts if args.restarts is not None else (1 if faulted else 0)
+    return Supervisor(
+        job, grace=args.grace, preempt_after=args.preempt_after, restarts=restarts, lose_vm=args.lose_vm
+    ).run()
 
 
 def data_variables(args: argparse.Namespace, environ: Mapping[str, str]) -> dict[str, str]:
@@ -212,6 +235,13 @@ def _seconds(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
     return value
+
+
+def _lost_vm(text: str) -> LostVM:
+    replica, at, seconds = text.rpartition("@")
+    if not at or not replica:
+        raise argparse.ArgumentTypeError(f"expected REPLICA@SECONDS (workerpool1-0@30), got {text!r}")
+    return LostVM(replica, _seconds(seconds))
 
 
 def _non_negative(text: str) -> int:

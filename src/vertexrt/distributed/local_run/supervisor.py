@@ -1,5 +1,11 @@
 """The supervisor of a simulated job: starts the replicas, relays their output, judges the job by the chief,
-signals and tears down as Vertex would, restarts; chaos faults come in through a :class:`FaultSource`."""
+signals and tears down as Vertex would, restarts; chaos faults come in through a :class:`FaultSource`.
+
+Each replica has a local disk of its own, kept across restarts as a VM's disk is (a directory
+under a temporary one, ``$VERTEXRT_LOCAL_CHECKPOINT_DIR`` in the replica, shared by the processes of one
+replica); a lost VM (``lose_vm``, or a chaos fault with ``wipe``) loses it. A replica that stops a crash loop
+(:data:`vertexrt.env.CRASH_LOOP_EXIT_CODE`) ends the job without a restart, as Vertex ends a job on a
+permanent error."""
 
 from __future__ import annotations
 
@@ -7,23 +13,29 @@ import contextlib
 import ctypes
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from vertexrt._net import free_ports
 from vertexrt.distributed import reaper
 from vertexrt.distributed.local_run.environments import JobSpec, Replica, port_count, replica_environments
 from vertexrt.distributed.local_run.relay import OutputRelay, say
+from vertexrt.env import CRASH_LOOP_EXIT_CODE
 from vertexrt.errors import ConfigError
 
 _SETTLE_SECONDS = 5.0
+#: Where a replica finds its local disk (a fast checkpoint tier reads it).
+LOCAL_DISK_VARIABLE = "VERTEXRT_LOCAL_CHECKPOINT_DIR"
 
 
 @dataclass
@@ -38,11 +50,12 @@ class _Running:
 class FaultNotice:
     """A fault that landed in a replica (it signalled itself, see :mod:`vertexrt.audit`): ``everyone``
     means Vertex preempts every replica (the others get SIGTERM now); the attempt ends ``grace`` seconds
-    later at most."""
+    later at most; ``wipe``: the replica's VM is lost with its local disk."""
 
     replica: str
     everyone: bool
     grace: float
+    wipe: bool = False
 
 
 class FaultSource(Protocol):
@@ -63,6 +76,15 @@ class Attempt:
     codes: dict[str, int]
 
 
+@dataclass(frozen=True)
+class LostVM:
+    """``--lose-vm REPLICA@SECONDS``: the replica (``workerpool1-0``) whose VM is lost, ``seconds`` after the
+    first attempt started."""
+
+    replica: str
+    seconds: float
+
+
 @dataclass
 class Supervisor:
     """Starts the replicas, relays their output, judges the job by the chief, tears down, restarts."""
@@ -71,6 +93,7 @@ class Supervisor:
     grace: float = 15.0
     preempt_after: float | None = None
     restarts: int = 0
+    lose_vm: LostVM | None = None
     out: BinaryIO = field(default_factory=lambda: sys.stdout.buffer)
     faults: FaultSource | None = None
     attempts: list[Attempt] = field(default_factory=list, init=False)
@@ -82,6 +105,7 @@ class Supervisor:
     _relay: OutputRelay = field(init=False)
     _watchdog: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _codes: dict[str, int] = field(default_factory=dict, init=False)
+    _disks: Path | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self._relay = OutputRelay(self.out)
@@ -90,18 +114,27 @@ class Supervisor:
         main_thread = threading.current_thread() is threading.main_thread()
         handled = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
         previous = {s: signal.signal(s, self._on_signal) for s in handled}
+        self._disks = Path(tempfile.mkdtemp(prefix="vertexrt-local-disks-"))
         self._watchdog = watchdog = _start_watchdog(self._run_id)
         try:
             attempt = 0
             while True:
                 attempt += 1
                 outcome, code = self._attempt(attempt, preempt=self.preempt_after if attempt == 1 else None)
-                if outcome in ("preempted", "failed") and attempt <= self.restarts:
+                looping = [label for label, c in self.attempts[-1].codes.items() if c == CRASH_LOOP_EXIT_CODE]
+                if outcome == "failed" and looping:
+                    self.say(
+                        f"{', '.join(looping)} stopped a crash loop (exit {CRASH_LOOP_EXIT_CODE}): a "
+                        "permanent error, as Vertex treats it; no restart"
+                    )
+                    code = CRASH_LOOP_EXIT_CODE
+                elif outcome in ("preempted", "failed") and attempt <= self.restarts:
                     self.say(f"{outcome}: restarting the whole job (restart {attempt} of {self.restarts})")
                     continue
                 self.say(f"job {outcome} with exit code {code}")
                 return code
         finally:
+            shutil.rmtree(self._disks, ignore_errors=True)
             _stop_watchdog(watchdog)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -116,6 +149,8 @@ class Supervisor:
 
     def _attempt(self, attempt: int, preempt: float | None) -> tuple[str, int]:
         replicas = replica_environments(self.job, os.environ, free_ports(port_count(self.job)))
+        for replica in replicas:
+            replica.env[LOCAL_DISK_VARIABLE] = str(self._disk(replica.label))
         if self.faults is not None:
             for replica in replicas:
                 replica.env.update(self.faults.environment(attempt, replica))
@@ -165,9 +200,32 @@ class Supervisor:
         self._selector.register(proc.stdout, selectors.EVENT_READ, running)  # type: ignore[arg-type]
         self._running.append(running)
 
+    def _disk(self, label: str) -> Path:
+        """The local disk of the replica (VM) that runs the process ``label`` (``workerpool0-0/1``)."""
+        assert self._disks is not None, "a disk is asked for outside run()"
+        disk = self._disks / label.split("/")[0]
+        disk.mkdir(exist_ok=True)
+        return disk
+
+    def _lose_vm(self, replica: str) -> None:
+        """SIGKILL every process of ``replica`` with no grace, wait for them, and wipe its local disk."""
+        victims = [r for r in self._running if r.replica.label.split("/")[0] == replica]
+        for r in victims:
+            _signal_group(r.proc.pid, signal.SIGKILL)
+        for r in victims:
+            r.proc.wait()
+        disk = self._disk(replica)
+        shutil.rmtree(disk, ignore_errors=True)
+        disk.mkdir()
+        self.say(f"the VM of {replica} is lost: SIGKILL with no grace, its local disk wiped")
+
     def _watch(self, attempt: int, started: float, preempt: float | None) -> tuple[str, int]:
+        lose = self.lose_vm if attempt == 1 else None
         while True:
             self._pump(0.1)
+            if lose is not None and time.monotonic() - started >= lose.seconds:
+                self._lose_vm(lose.replica)  # then judged as any replica's failure: teardown, restart
+                lose = None
             notice = self.faults.notice(attempt) if self.faults is not None else None
             if notice is not None:
                 return self._fault(notice)
@@ -206,7 +264,13 @@ class Supervisor:
             + f", {notice.grace:g}s grace"
         )
         self._wait(lambda r: False, timeout=notice.grace)
-        return self._preempted(self._keep(self._teardown(grace=0, waited=notice.grace)))
+        outcome = self._preempted(self._keep(self._teardown(grace=0, waited=notice.grace)))
+        if notice.wipe:
+            disk = self._disk(notice.replica)
+            shutil.rmtree(disk, ignore_errors=True)
+            disk.mkdir()
+            self.say(f"the VM of {notice.replica.split('/')[0]} is lost with its local disk: wiped")
+        return outcome
 
     def _keep(self, codes: dict[str, int]) -> dict[str, int]:
         """Remember ``codes`` (a teardown's) for this attempt's record."""
