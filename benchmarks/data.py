@@ -32,7 +32,7 @@ import orjson  # noqa: E402
 
 from vertexrt import paths  # noqa: E402
 from vertexrt.data import TFRecord, TFRecordWriter, open_dataset  # noqa: E402
-from vertexrt.data.formats import Errors, FileSource  # noqa: E402
+from vertexrt.data.formats.base import Errors, FileSource  # noqa: E402
 
 REPEATS = 5
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (this process's CPU, all its threads)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from vertexrt.data._io import MAX_RECORD_BYTES, READ_SIZE, open_at
-from vertexrt.data.formats import Errors
+from vertexrt.data.formats.base import Errors
 from vertexrt.errors import DataError
 
 LOCAL_READ_SIZE = 1 << 20

@@ -17,7 +17,7 @@ from typing import Any
 
 from vertexrt.data._io import MAX_RECORD_BYTES, compression_for
 from vertexrt.data._lines import last_record_end, line_at, line_chunks, locate, next_record_end
-from vertexrt.data.formats import Errors, FileSource, Format, byte_pieces
+from vertexrt.data.formats.base import Errors, FileSource, Format, byte_pieces
 from vertexrt.errors import DataError
 
 _BATCH = 256

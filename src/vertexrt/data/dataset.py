@@ -35,7 +35,8 @@ from vertexrt.data.cursor import (
     state_problem,
 )
 from vertexrt.data.digest import Tally
-from vertexrt.data.formats import Errors, FileSource, Format, OnError, format_for_uri, format_named
+from vertexrt.data.formats.base import Errors, FileSource, Format, OnError
+from vertexrt.data.formats.registry import format_for_uri, format_named
 from vertexrt.data.prefetch import Prefetcher
 from vertexrt.data.sharding import (
     Topology,

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from vertexrt.data._io import MAX_RECORD_BYTES, open_at
-from vertexrt.data.formats import Errors, FileSource, Format
+from vertexrt.data.formats.base import Errors, FileSource, Format
 from vertexrt.errors import DataError
 
 EXTENSIONS = frozenset(

@@ -11,7 +11,7 @@ from typing import Any
 
 from vertexrt.data._io import MAX_RECORD_BYTES, compression_for
 from vertexrt.data._lines import line_lists, locate
-from vertexrt.data.formats import Errors, FileSource, Format, byte_pieces
+from vertexrt.data.formats.base import Errors, FileSource, Format, byte_pieces
 
 
 class JSONL(Format):

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from vertexrt.data._io import MAX_RECORD_BYTES, READ_SIZE, TAIL_READ, compression_for, open_at
-from vertexrt.data.formats import Errors, FileSource, Format, byte_pieces
+from vertexrt.data.formats.base import Errors, FileSource, Format, byte_pieces
 from vertexrt.errors import DataError
 
 _MASK_DELTA = 0xA282EAD8
