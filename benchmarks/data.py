@@ -352,7 +352,7 @@ def gcs_cases(files: dict[str, tuple[str, int, int]], root: str, scale: float) -
 def managed_case(root: str, scale: float) -> None:
     """A Vertex image export (JSONL naming 4 KiB objects) on the GCS server: the referenced bytes fetched by
     ``VertexImage`` vs a sequential gcsfs ``cat`` per line."""
-    from vertexrt.data.managed import VertexImage
+    from vertexrt.data.formats.managed import VertexImage
     from vertexrt.emulator import GCSServer
 
     n = max(100, int(2000 * scale))

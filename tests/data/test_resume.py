@@ -206,7 +206,7 @@ def test_a_bad_record_mid_run_hands_out_the_records_before_it_then_resumes_after
 def test_state_at_the_edge_of_a_local_read(tmp_path) -> None:
     # local files are read LOCAL_READ_SIZE bytes at a time: stops at the records around a read's edge
     # (one of them crossing it) resume exactly
-    from vertexrt.data._lines import LOCAL_READ_SIZE
+    from vertexrt.data.formats._lines import LOCAL_READ_SIZE
 
     lines = [json.dumps({"id": i, "pad": "x" * (i % 100)}).encode() for i in range(40_000)]
     path = tmp_path / "edges.jsonl"

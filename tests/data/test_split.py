@@ -156,7 +156,7 @@ def tfrecord_payloads(count: int) -> list[bytes]:
     import random
     import struct
 
-    from vertexrt.data.tfrecord import encode_record, masked_crc32c
+    from vertexrt.data.formats.tfrecord import encode_record, masked_crc32c
 
     rng = random.Random(5)
     out = []
@@ -238,7 +238,7 @@ def test_tfrecord_payloads_holding_framed_records_are_an_error_not_duplicates(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from vertexrt.data import TFRecordWriter
-    from vertexrt.data.tfrecord import encode_record
+    from vertexrt.data.formats.tfrecord import encode_record
 
     monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 16 << 10)
     uri = str(tmp_path / "nested.tfrecord")

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from vertexrt.data import open_dataset
-from vertexrt.data.jsonl import JSONL
+from vertexrt.data.formats.jsonl import JSONL
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402

@@ -907,7 +907,7 @@ def open_dataset(
             ``torch.distributed`` when several ranks); ``list_rows`` where the API is not enabled, or with
             ``BigQuery(storage_api=False)``.
         format: ``"jsonl"``, ``"csv"``, ``"tfrecord"``, ``"parquet"``, ``"bigquery"``, ``"files"`` (whole
-            binary files such as images, see :class:`~vertexrt.data.files.Files`) or a format object
+            binary files such as images, see :class:`~vertexrt.data.formats.files.Files`) or a format object
             (``CSV(types=...)``, ``TFRecord(example=True)``, ...). Default: ``AIP_DATA_FORMAT`` for the
             environment's URI, else the file extension.
         shuffle: shuffle the file order and, within blocks of ``shuffle_buffer`` records, the records;

@@ -16,30 +16,30 @@ def format_named(name: str) -> Format:
     vertex-image, vertex-text, vertex-video."""
     key = name.lower().lstrip(".")
     if key in ("jsonl", "json", "ndjson", "jsonlines"):
-        from vertexrt.data.jsonl import JSONL
+        from vertexrt.data.formats.jsonl import JSONL
 
         return JSONL()
     if key in ("csv", "tsv"):
-        from vertexrt.data.csv import CSV
+        from vertexrt.data.formats.csv import CSV
 
         return CSV(delimiter="\t" if key == "tsv" else ",")
     if key in ("tfrecord", "tfrecords", "tfrec", "tf_record"):
-        from vertexrt.data.tfrecord import TFRecord
+        from vertexrt.data.formats.tfrecord import TFRecord
 
         return TFRecord()
     if key in ("parquet", "pq"):
-        from vertexrt.data.parquet import Parquet
+        from vertexrt.data.formats.parquet import Parquet
 
         return Parquet()
     if key == "files" or key in _binary_extensions():
-        from vertexrt.data.files import Files
+        from vertexrt.data.formats.files import Files
 
         return Files()
     if key in ("bigquery", "bq"):
-        from vertexrt.data.bigquery import BigQuery
+        from vertexrt.data.formats.bigquery import BigQuery
 
         return BigQuery()
-    from vertexrt.data.managed import FORMATS as MANAGED
+    from vertexrt.data.formats.managed import FORMATS as MANAGED
 
     if key in MANAGED:
         return MANAGED[key]()
@@ -51,7 +51,7 @@ def format_named(name: str) -> Format:
 
 
 def _binary_extensions() -> frozenset[str]:
-    from vertexrt.data.files import EXTENSIONS
+    from vertexrt.data.formats.files import EXTENSIONS
 
     return EXTENSIONS
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from vertexrt.data._io import MAX_RECORD_BYTES, compression_for
-from vertexrt.data._lines import line_lists, locate
+from vertexrt.data.formats._lines import line_lists, locate
 from vertexrt.data.formats.base import Errors, FileSource, Format, byte_pieces
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from vertexrt.data._io import MAX_RECORD_BYTES, compression_for
-from vertexrt.data._lines import last_record_end, line_at, line_chunks, locate, next_record_end
+from vertexrt.data.formats._lines import last_record_end, line_at, line_chunks, locate, next_record_end
 from vertexrt.data.formats.base import Errors, FileSource, Format, byte_pieces
 from vertexrt.errors import DataError
 
