@@ -406,7 +406,7 @@ def test_data_rewritten_identically_on_cloud_storage_still_resumes(storage_root:
 
 
 def test_merging_a_damaged_state_names_the_field(tmp_path, id_files) -> None:
-    from vertexrt.data.dataset import merge_states
+    from vertexrt.data import merge_states
     from vertexrt.errors import DataError
 
     _, state = saved_at(tmp_path, id_files)

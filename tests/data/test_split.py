@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 
 from vertexrt import paths
-from vertexrt.data import CSV, open_dataset
+from vertexrt.data import CSV, merge_states, open_dataset
 from vertexrt.data._io import TAIL_READ
-from vertexrt.data.dataset import merge_states
 from vertexrt.errors import DataError
 
 ROWS = 60_000

@@ -1,0 +1,308 @@
+"""Epoch planning: the units an epoch reads (files, file pieces, table streams or row ranges) in their
+seeded order, each reader's share of them, and the record counts that ``equalize`` and contiguous shares
+need.
+
+What is read comes from a :class:`UnitSource`: :class:`FileUnits` for data files here, and
+:class:`~vertexrt.data.table_session.TableSession` for a BigQuery table (its read session's streams).
+A dataset talks to either through that protocol only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from vertexrt.data.cursor import StreamSpec, state_problem
+from vertexrt.data.formats.base import Errors, FileSource, Format
+from vertexrt.data.sharding import (
+    Topology,
+    Unit,
+    assign,
+    balanced,
+    epoch_order,
+    equalized,
+    pieces,
+    reader_counts,
+    share,
+)
+from vertexrt.errors import DataError
+from vertexrt.phases import long_phase
+
+Intervals = list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a plan depends on beyond its data: this process's place and the epoch being planned."""
+
+    topology: Topology
+    readers: int
+    """The readers of the job as planned: replicas x the DataLoader workers of each."""
+    epoch: int
+    mid_epoch: bool
+    """A loaded state positions readers inside the epoch."""
+    equalizing: bool
+    """``equalize`` is in force."""
+    in_loader_worker: bool
+    """This process is a torch DataLoader worker (no collective can run here)."""
+
+
+class UnitSource(Protocol):
+    """What a dataset reads, as units an epoch plan orders and shares out."""
+
+    elastic: bool
+    """A state over it can move to another number of readers (contiguous shares of counted units)."""
+
+    def units(self, context: PlanContext, readers: int) -> list[Unit]:
+        """The epoch's units for ``readers`` readers, unordered."""
+        ...
+
+    def cut(self, order: list[Unit], readers: int) -> list[Unit]:
+        """``order`` with units cut into pieces so that ``readers`` readers each read about their share."""
+        ...
+
+    def counts(self, units: Sequence[Unit], context: PlanContext, shared: bool) -> list[int]:
+        """Records in each of ``units``; ``shared``: every rank asks at the same point (counting may be
+        split between the ranks and gathered)."""
+        ...
+
+    def known_total(self) -> int | None:
+        """Records in the whole source when metadata says it without a read, else None."""
+        ...
+
+    def contiguous(self, context: PlanContext, unread: Intervals | None, readers: int) -> bool:
+        """Each of ``readers`` readers takes a contiguous share of the epoch's counted records (else whole
+        units, strided)."""
+        ...
+
+    def reading(self, units: list[Unit]) -> list[Unit]:
+        """A reader's contiguous share as its format reads it."""
+        ...
+
+    def read_sources(self, context: PlanContext) -> Sequence[Any]:
+        """The sources that units index."""
+        ...
+
+    def identity(self) -> Any:
+        """What the data is, for the state's fingerprint (JSON-serializable)."""
+        ...
+
+    def summary(self) -> tuple[str, str | None]:
+        """``(files, versions)`` of a state's options: a short description, a hash of the file versions."""
+        ...
+
+    def names(self) -> list[str]:
+        """The data's names without their directory (the data audit's identity)."""
+        ...
+
+    def uris(self) -> list[str]:
+        """The data files (none for a table)."""
+        ...
+
+    def title(self) -> str:
+        """What the data is, in a few words ("3 files", a table id)."""
+        ...
+
+    def prepare(self, context: PlanContext) -> None:
+        """The shared work before DataLoader workers fork (a table's read session), in a rank's main
+        process; every rank calls it at the same point."""
+        ...
+
+    def new_epoch(self, context: PlanContext) -> None:
+        """An epoch was selected (a table's session about to expire is renewed here, before workers start)."""
+        ...
+
+    def state_fields(self) -> dict[str, Any]:
+        """What a data state keeps of how the data is read (a table's read ``session``)."""
+        ...
+
+    def checked(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        """A loaded state's record of how the data was read (see :meth:`state_fields`), checked against
+        this source, or None."""
+        ...
+
+    def load(self, record: dict[str, Any] | None, epoch: int, mid_epoch: bool, equalizing: bool) -> None:
+        """Read as a loaded state's checked record says."""
+        ...
+
+    def plan_record(self) -> dict[str, Any] | None:
+        """How the data is read now, for DataLoader workers to :meth:`adopt` (None: nothing to share)."""
+        ...
+
+    def adopt(self, record: dict[str, Any] | None) -> None:
+        """Read as ``record`` (a :meth:`plan_record` made in the DataLoader's parent) says."""
+        ...
+
+
+class FileUnits:
+    """Data files: each file a unit, cut into byte pieces when there are fewer files than readers; record
+    counts by reading (or the format's metadata), kept for the life of the dataset."""
+
+    elastic = True
+
+    def __init__(self, files: Sequence[FileSource], fmt: Format, columnar: bool, errors: Errors):
+        self.files = files
+        self.format = fmt
+        self.columnar = columnar
+        self.errors = errors
+        self.known: dict[tuple[int, int, int | None], int] = {}  # records per (file, start, end)
+
+    def units(self, context: PlanContext, readers: int) -> list[Unit]:
+        return [Unit(i) for i in range(len(self.files))]
+
+    def cut(self, order: list[Unit], readers: int) -> list[Unit]:
+        if len(order) >= readers:
+            return order
+        files = [self.files[unit.source] for unit in order]
+        out = []
+        for unit, source, parts in zip(
+            order, files, pieces([f.size for f in files], 4 * readers), strict=True
+        ):
+            cut = self.format.split(source, parts, self.columnar) if parts > 1 else None
+            out.extend([Unit(unit.source, a, b) for a, b in cut] if cut else [unit])
+        return out
+
+    def counts(self, units: Sequence[Unit], context: PlanContext, shared: bool) -> list[int]:
+        out = []
+        for unit in units:
+            key = (unit.source, unit.start, unit.end)
+            if key not in self.known:
+                source = self.files[unit.source]
+                if unit.end is None:
+                    self.known[key] = self.format.count(source, self.errors)
+                else:
+                    self.known[key] = self.format.count_piece(source, unit.start, unit.end, self.errors)
+            out.append(self.known[key])
+        return out
+
+    def known_total(self) -> int | None:
+        return None
+
+    def contiguous(self, context: PlanContext, unread: Intervals | None, readers: int) -> bool:
+        return context.equalizing or unread is not None
+
+    def reading(self, units: list[Unit]) -> list[Unit]:
+        return units
+
+    def read_sources(self, context: PlanContext) -> Sequence[Any]:
+        return self.files
+
+    def identity(self) -> Any:
+        return [(s.uri, s.size, s.version) for s in self.files]
+
+    def summary(self) -> tuple[str, str | None]:
+        import hashlib
+
+        files = f"{len(self.files)} files of {sum(s.size for s in self.files)} bytes"
+        return files, hashlib.sha1("\n".join(s.version for s in self.files).encode()).hexdigest()[:12]
+
+    def names(self) -> list[str]:
+        return [s.uri.rsplit("/", 1)[-1] for s in self.files]
+
+    def uris(self) -> list[str]:
+        return [s.uri for s in self.files]
+
+    def title(self) -> str:
+        return f"{len(self.files)} files"
+
+    def prepare(self, context: PlanContext) -> None:
+        return None
+
+    def new_epoch(self, context: PlanContext) -> None:
+        return None
+
+    def state_fields(self) -> dict[str, Any]:
+        return {}
+
+    def checked(self, state: dict[str, Any]) -> dict[str, Any] | None:
+        return None
+
+    def load(self, record: dict[str, Any] | None, epoch: int, mid_epoch: bool, equalizing: bool) -> None:
+        return None
+
+    def plan_record(self) -> dict[str, Any] | None:
+        return None
+
+    def adopt(self, record: dict[str, Any] | None) -> None:
+        return None
+
+
+def epoch_units(
+    source: UnitSource, context: PlanContext, readers: int, seed: int, shuffle: bool
+) -> list[Unit]:
+    """The epoch's unit order: units shuffled by ``(seed, epoch)``; with fewer files than readers each file
+    that can be split is cut into pieces, in file order (about 4 per reader in all), so a reader reads
+    about its share of the bytes and the record order is the same however files are cut."""
+    return source.cut(epoch_order(source.units(context, readers), seed, context.epoch, shuffle), readers)
+
+
+def counted(source: UnitSource, units: Sequence[Unit], context: PlanContext) -> list[int]:
+    """Records in each of ``units``, counted (shared between the ranks, every rank calling it at the same
+    point) before an epoch's first record: a phase that may take long, not a hang."""
+    with long_phase("counting records"):
+        return source.counts(units, context, shared=True)
+
+
+def within(unread: Intervals | None, total: int) -> Intervals:
+    """The epoch's unread intervals (``unread``, default all ``total`` records), refused if a loaded plan
+    reaches past the records there are."""
+    if unread is None:
+        return [(0, total)]
+    if unread and unread[-1][1] > total:
+        raise DataError(state_problem("plan", unread[-1], f"reaches past the epoch's {total} records"))
+    return unread
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """The dataset options a reader's spec carries."""
+
+    fmt: Format
+    equalize: str | None
+    batch_size: int
+    block_size: int
+    seed: int
+    columnar: bool
+
+
+def reader_spec(
+    source: UnitSource,
+    context: PlanContext,
+    order: list[Unit],
+    unread: Intervals | None,
+    options: ReadOptions,
+) -> StreamSpec:
+    """Everything reader ``context.topology.reader`` needs to read its share of the epoch in ``order``:
+    a contiguous share of the counted records (equalized, or an elastic plan's ``unread`` intervals), or
+    whole units strided over the readers (counted only when equalizing)."""
+    topo = context.topology
+    target = None
+    mode = options.equalize
+    if source.contiguous(context, unread, topo.readers):
+        unit_counts = counted(source, order, context)
+        plan = within(unread, sum(unit_counts))
+        units = source.reading(balanced(order, unit_counts, topo.reader, topo.readers, plan))
+        stride, offset = 1, 0
+        counts = [sum(b - a for a, b in share(plan, r, topo.readers)) for r in range(topo.readers)]
+        target = equalized(counts, mode, options.batch_size)
+    else:
+        units, stride, offset = assign(order, topo.reader, topo.readers)
+        if mode is not None:
+            counts = reader_counts(order, counted(source, order, context), topo.readers)
+            target = equalized(counts, mode, options.batch_size)
+    return StreamSpec(
+        fmt=options.fmt,
+        sources=source.read_sources(context),
+        units=units,
+        stride=stride,
+        offset=offset,
+        pad_units=order,
+        target=target,
+        block_size=options.block_size,
+        seed=options.seed,
+        epoch=context.epoch,
+        reader=topo.reader,
+        readers=topo.readers,
+        columnar=options.columnar,
+    )
