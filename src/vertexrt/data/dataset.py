@@ -238,11 +238,7 @@ class Dataset:
             >>> open_dataset("bq://p.d.t").count()
             100000
         """
-        total = self._source.known_total()
-        if total is not None:
-            return total
-        context = self._context()
-        return sum(counted(self._source, self._source.units(context, 1), context))
+        return self._source.total(self._context())
 
     def __iter__(self) -> Iterator[Any]:
         # The records are handed out by C iterators (a chain over lists decoded a run at a time), so no

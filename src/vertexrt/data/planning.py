@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from vertexrt.data.counting import CountCache, Key, cache_dir, count_alone, count_together, data_key
 from vertexrt.data.cursor import StreamSpec, state_problem
 from vertexrt.data.formats.base import Errors, FileSource, Format
 from vertexrt.data.sharding import (
@@ -67,8 +68,8 @@ class UnitSource(Protocol):
         split between the ranks and gathered)."""
         ...
 
-    def known_total(self) -> int | None:
-        """Records in the whole source when metadata says it without a read, else None."""
+    def total(self, context: PlanContext) -> int:
+        """Records in the whole source."""
         ...
 
     def contiguous(self, context: PlanContext, unread: Intervals | None, readers: int) -> bool:
@@ -137,7 +138,8 @@ class UnitSource(Protocol):
 
 class FileUnits:
     """Data files: each file a unit, cut into byte pieces when there are fewer files than readers; record
-    counts by reading (or the format's metadata), kept for the life of the dataset."""
+    counts by reading (or the format's metadata) once per job (:mod:`vertexrt.data.counting`: shared out
+    between the ranks, cached by the data's fingerprint), kept for the life of the dataset."""
 
     elastic = True
 
@@ -146,7 +148,8 @@ class FileUnits:
         self.format = fmt
         self.columnar = columnar
         self.errors = errors
-        self.known: dict[tuple[int, int, int | None], int] = {}  # records per (file, start, end)
+        self.known: dict[Key, int] = {}  # records per (file, start, end)
+        self.gathered: set[Key] = set()  # the keys counted together with every rank (the same on each)
 
     def units(self, context: PlanContext, readers: int) -> list[Unit]:
         return [Unit(i) for i in range(len(self.files))]
@@ -164,20 +167,49 @@ class FileUnits:
         return out
 
     def counts(self, units: Sequence[Unit], context: PlanContext, shared: bool) -> list[int]:
-        out = []
-        for unit in units:
-            key = (unit.source, unit.start, unit.end)
-            if key not in self.known:
-                source = self.files[unit.source]
-                if unit.end is None:
-                    self.known[key] = self.format.count(source, self.errors)
-                else:
-                    self.known[key] = self.format.count_piece(source, unit.start, unit.end, self.errors)
-            out.append(self.known[key])
-        return out
+        keys = list(dict.fromkeys((u.source, u.start, u.end) for u in units))
+        dist = _group(context) if shared else None
+        if dist is not None:  # every rank is here: count together (the same keys on every rank)
+            wanted = [key for key in keys if key not in self.gathered]
+            if wanted:
+                sizes = [self._bytes(key) for key in wanted]
+                self.known.update(
+                    count_together(wanted, sizes, self._count, dist, self._cache(), self._describe)
+                )
+                self.gathered.update(wanted)
+        else:
+            missing = [key for key in keys if key not in self.known]
+            if missing:  # a DataLoader worker reads the cache but leaves writing it to the ranks
+                self.known.update(
+                    count_alone(missing, self._count, self._cache(), write=not context.in_loader_worker)
+                )
+        return [self.known[(u.source, u.start, u.end)] for u in units]
 
-    def known_total(self) -> int | None:
-        return None
+    def _count(self, key: Key) -> int:
+        index, start, end = key
+        source = self.files[index]
+        if end is None:
+            return self.format.count(source, self.errors)
+        return self.format.count_piece(source, start, end, self.errors)
+
+    def _bytes(self, key: Key) -> int:
+        index, start, end = key
+        return (end - start) if end is not None else self.files[index].size
+
+    def _describe(self, key: Key) -> str:
+        index, start, end = key
+        uri = self.files[index].uri
+        return uri if end is None else f"{uri} (bytes {start} to {end})"
+
+    def _cache(self) -> CountCache | None:
+        directory = cache_dir()
+        if directory is None:
+            return None
+        return CountCache(directory, data_key(self.files, self.format, self.errors.on_error, self.columnar))
+
+    def total(self, context: PlanContext) -> int:
+        with long_phase("counting records"):  # here alone: count() may be called on one rank only
+            return sum(self.counts([Unit(i) for i in range(len(self.files))], context, shared=False))
 
     def contiguous(self, context: PlanContext, unread: Intervals | None, readers: int) -> bool:
         return context.equalizing or unread is not None
@@ -226,6 +258,20 @@ class FileUnits:
 
     def adopt(self, record: dict[str, Any] | None) -> None:
         return None
+
+
+def _group(context: PlanContext) -> Any | None:
+    """The process group to count together in: ``torch.distributed`` of this dataset's ranks (several),
+    outside DataLoader workers (a collective from a worker would wait for ranks that never join it)."""
+    from vertexrt.distributed.collectives import torch_dist
+
+    dist = torch_dist()
+    topo = context.topology
+    if dist is None or context.in_loader_worker or topo.world_size == 1:
+        return None
+    if dist.get_world_size() != topo.world_size or dist.get_rank() != topo.rank:
+        return None  # ranks given by hand, not the group's: count here
+    return dist
 
 
 def epoch_units(

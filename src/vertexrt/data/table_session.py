@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from vertexrt.data.formats.base import Errors, Format
-from vertexrt.data.planning import Intervals, PlanContext
+from vertexrt.data.planning import Intervals, PlanContext, counted
 from vertexrt.data.sharding import Unit
 from vertexrt.data.sources import TableSource
 from vertexrt.errors import ConfigError
@@ -174,8 +174,12 @@ class TableSession:
                 out.append(self.stream_rows[unit.source])
         return out
 
-    def known_total(self) -> int | None:
-        return None if getattr(self.format, "row_filter", None) else self.table_rows()
+    def total(self, context: PlanContext) -> int:
+        """The table's rows from its metadata; with a ``row_filter`` its streams' rows, counted together
+        (every rank calls it at the same point)."""
+        if self.reader is None or not self.reader.row_filter:
+            return self.table_rows()
+        return sum(counted(self, self.units(context, 1), context))
 
     def table_rows(self) -> int:
         """The table's rows from its metadata."""
