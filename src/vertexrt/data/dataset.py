@@ -249,7 +249,7 @@ class Dataset:
     def _runs(self) -> Generator[Iterator[Any] | tuple[Any], None, None]:
         """Iterators over consecutive runs of this reader's records (see :meth:`__iter__`)."""
         topo = self.topology()
-        self.adopt(topo.world_size, topo.readers)
+        self.reshare(topo.world_size, topo.readers)
         spec = self._spec(topo)
         cursor = self._cursors.get(topo.reader, Cursor())
         check_against(spec, cursor, topo.reader)
@@ -281,7 +281,7 @@ class Dataset:
                     try:
                         decoded = list(map(decode, run))
                     except Exception:  # noqa: BLE001 - a bad record: decoded one by one below
-                        yield from self._careful(chunk, lo, run, decode)
+                        yield from self._one_by_one(chunk, lo, run, decode)
                         continue
                     records = iter(decoded)
                     self._live = (chunk, partial(_consumed, lo + len(run), records))
@@ -305,7 +305,7 @@ class Dataset:
                 self._live = None
                 self._token = None
 
-    def _careful(
+    def _one_by_one(
         self, chunk: Chunk, lo: int, run: list[Any], decode: Callable[[Any], Any]
     ) -> Iterator[tuple[Any]]:
         """``run`` (raws ``lo...`` of ``chunk``, one of them bad) decoded one record at a time: every record
@@ -327,7 +327,7 @@ class Dataset:
         if self._live is None:
             readers = topo.world_size * self.loader_workers if self.loader_workers else topo.readers
             with contextlib.suppress(DataError):  # it cannot move: saved as loaded, iterating says why
-                self.adopt(topo.world_size, readers)
+                self.reshare(topo.world_size, readers)
         cursors = dict(self._cursors)
         live = self._live_cursor()
         if live is not None:
@@ -375,7 +375,7 @@ class Dataset:
         self._token = None
         self._source.load(record, self._epoch, bool(self._cursors), self._equalize_mode() is not None)
 
-    def adopt(self, world_size: int, readers: int) -> None:
+    def reshare(self, world_size: int, readers: int) -> None:
         """Make a loaded mid-epoch state fit ``readers`` readers (``world_size`` x DataLoader workers): a
         no-op for the topology it was saved with; else the epoch's unread records are shared out afresh.
 
@@ -508,7 +508,7 @@ class Dataset:
 
     def use_read_plan(self, plan: dict[str, Any] | None) -> None:
         """Read as ``plan`` (a checked :meth:`read_plan` of the DataLoader's parent) says, while it lives."""
-        self._source.adopt(plan)
+        self._source.follow(plan)
 
     def copy_at_epoch_start(self) -> Dataset:
         """A copy at the start of the current epoch (no position loaded, no read-ahead) that shares what is

@@ -55,7 +55,8 @@ def open_dataset(
             rounded down to whole batches; at most ``readers x batch_size`` records of an epoch go unread)
             and nothing with one. ``"pad"`` repeats records up to the largest share instead; ``None`` (or
             ``"off"``) reads every record exactly once with unequal shares. Equalizing counts every file's
-            records once (a read of each file unless the format has metadata); ``ds.equalized`` says
+            records once per job (a read of each file unless the format has metadata, shared out between
+            the ranks, cached for restarts: see :mod:`vertexrt.data.counting`); ``ds.equalized`` says
             whether it is in force.
         on_error: ``"raise"`` a :class:`~vertexrt.errors.DataError` naming file and line/byte, or ``"skip"``
             bad records and count them in ``ds.skipped``.

@@ -128,10 +128,10 @@ class UnitSource(Protocol):
         ...
 
     def plan_record(self) -> dict[str, Any] | None:
-        """How the data is read now, for DataLoader workers to :meth:`adopt` (None: nothing to share)."""
+        """How the data is read now, for DataLoader workers to :meth:`follow` (None: nothing to share)."""
         ...
 
-    def adopt(self, record: dict[str, Any] | None) -> None:
+    def follow(self, record: dict[str, Any] | None) -> None:
         """Read as ``record`` (a :meth:`plan_record` made in the DataLoader's parent) says."""
         ...
 
@@ -256,7 +256,7 @@ class FileUnits:
     def plan_record(self) -> dict[str, Any] | None:
         return None
 
-    def adopt(self, record: dict[str, Any] | None) -> None:
+    def follow(self, record: dict[str, Any] | None) -> None:
         return None
 
 

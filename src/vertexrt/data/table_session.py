@@ -262,7 +262,7 @@ class TableSession:
 
             log_new_session(self.table.table_id, session, planned[0].session)
 
-    def adopt(self, record: dict[str, Any] | None) -> None:
+    def follow(self, record: dict[str, Any] | None) -> None:
         """Read the streams (and their row counts) of ``record`` (a :meth:`plan_record` made elsewhere: the
         session a DataLoader's parent renewed) while it lives."""
         streams = self.reader.reuse(self.table, record) if record and self.reader is not None else None

@@ -89,7 +89,7 @@ class TorchIterable(IterableDataset):  # type: ignore[type-arg]
         plans = int(self._shared[2])
         if info is not None and plans != self._plan_seen:  # the parent renewed its read session
             self._plan_seen = plans
-            self._plans.adopt(dataset)
+            self._plans.apply(dataset)
         generation = int(self._shared[1])
         if generation != self._seen:
             self._seen = generation
@@ -147,7 +147,7 @@ class _SharedReadPlan:
         self.buffer[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         return True
 
-    def adopt(self, dataset: Dataset) -> None:
+    def apply(self, dataset: Dataset) -> None:
         """In a worker: read the streams (and their row counts) of the plan last published."""
         from vertexrt.data.bigquery_storage import check_record
 
@@ -290,7 +290,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             )
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
         world = self.data.topology().world_size
-        self.data.adopt(world, world * max(1, self.num_workers))  # another world size: share out afresh
+        self.data.reshare(world, world * max(1, self.num_workers))  # another world size: share out afresh
         self._reader_cursors = {}
         self._cursors_epoch = self.data.epoch
         self._resumed_epoch = self.data.epoch
