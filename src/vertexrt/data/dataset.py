@@ -18,10 +18,8 @@ import copy
 import hashlib
 import json
 import logging
-from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from functools import partial
-from itertools import chain
 from typing import TYPE_CHECKING, Any, Literal
 
 from vertexrt import audit
@@ -41,6 +39,7 @@ from vertexrt.data.planning import (
     within,
 )
 from vertexrt.data.prefetch import Prefetcher
+from vertexrt.data.records import Records, consumed
 from vertexrt.data.resume_state import (
     STATE_VERSION,
     checked_state,
@@ -215,7 +214,9 @@ class Dataset:
     def epoch_length(self, num_workers: int | None = None) -> int | None:
         """Records (batches with ``columnar``) this reader yields in a whole epoch when ``equalize`` is in
         force (every reader the same number), else None: unknown without reading every file.
-        ``num_workers``: as a reader of a rank read by that many DataLoader workers.
+        ``num_workers``: as a reader of a rank read by that many DataLoader workers. The first call counts
+        the records (shared between the ranks of a ``torch.distributed`` group: then every rank calls it,
+        or :meth:`prepare`, at the same point).
 
         Example:
             >>> open_dataset("gs://b/train-*.jsonl", rank=0, world_size=2).epoch_length()
@@ -273,7 +274,7 @@ class Dataset:
                     tally.enter(raws)
                 if decode is None:
                     records = iter(raws)
-                    self._live = (chunk, partial(_consumed, len(raws), records))
+                    self._live = (chunk, partial(consumed, len(raws), records))
                     yield records
                     continue
                 for lo in range(0, len(raws), DECODE_RUN):
@@ -284,7 +285,7 @@ class Dataset:
                         yield from self._one_by_one(chunk, lo, run, decode)
                         continue
                     records = iter(decoded)
-                    self._live = (chunk, partial(_consumed, lo + len(run), records))
+                    self._live = (chunk, partial(consumed, lo + len(run), records))
                     yield records
             finished = True
         finally:
@@ -311,7 +312,7 @@ class Dataset:
         """``run`` (raws ``lo...`` of ``chunk``, one of them bad) decoded one record at a time: every record
         before a bad one is handed out, then the bad one is reported (raise, or skip and count)."""
         records = iter(run)
-        self._live = (chunk, partial(_consumed, lo + len(run), records))
+        self._live = (chunk, partial(consumed, lo + len(run), records))
         for raw in records:
             try:
                 value = decode(raw)
@@ -685,39 +686,12 @@ class Dataset:
         return f"Dataset({what}, format={self.format!r}, shuffle={self.shuffle}, seed={self.seed})"
 
 
-class Records(chain):  # type: ignore[type-arg]
-    """One pass over a dataset's records: a C iterator (no Python frame per record) that, like a generator,
-    can be closed early — the reader's place is kept for ``state_dict()`` and its read-ahead stops.
-
-    Example:
-        >>> it = iter(ds); first = next(it); it.close()  # doctest: +SKIP
-    """
-
-    _runs: Generator[Any, None, None]
-
-    @classmethod
-    def of(cls, runs: Generator[Any, None, None]) -> Records:
-        records: Records = cls.from_iterable(runs)  # type: ignore[assignment]  # cls's own instance
-        records._runs = runs
-        return records
-
-    def close(self) -> None:
-        """End the pass here: the place is recorded, and what is left of the current run is dropped."""
-        self._runs.close()
-        deque(self, maxlen=0)  # the run already handed to the chain; the closed generator gives no more
-
-
 def _in_loader_worker() -> bool:
     """True inside a torch DataLoader worker process."""
     import sys
 
     data = sys.modules.get("torch.utils.data")
     return data is not None and data.get_worker_info() is not None
-
-
-def _consumed(end: int, records: Iterator[Any]) -> int:
-    """Records of a chunk handed out: ``records`` iterates over the chunk's records up to index ``end``."""
-    return end - records.__length_hint__()  # type: ignore[attr-defined,no-any-return]
 
 
 def _default_prefetch(sources: Sequence[FileSource] | TableSource) -> int:

@@ -186,6 +186,8 @@ class FileUnits:
         return [self.known[(u.source, u.start, u.end)] for u in units]
 
     def _count(self, key: Key) -> int:
+        if key in self.known:  # counted here before (alone): no need to read it again
+            return self.known[key]
         index, start, end = key
         source = self.files[index]
         if end is None:
