@@ -29,7 +29,7 @@ def main() -> None:
 
     from vertexrt.clients import bigquery_client
     from vertexrt.data import BigQuery, open_dataset
-    from vertexrt.data.formats import Errors
+    from vertexrt.data.formats.base import Errors
     from vertexrt.data.sources import parse_table
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

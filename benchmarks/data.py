@@ -32,7 +32,7 @@ import orjson  # noqa: E402
 
 from vertexrt import paths  # noqa: E402
 from vertexrt.data import TFRecord, TFRecordWriter, open_dataset  # noqa: E402
-from vertexrt.data.formats import Errors, FileSource  # noqa: E402
+from vertexrt.data.formats.base import Errors, FileSource  # noqa: E402
 
 REPEATS = 5
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (this process's CPU, all its threads)
@@ -352,7 +352,7 @@ def gcs_cases(files: dict[str, tuple[str, int, int]], root: str, scale: float) -
 def managed_case(root: str, scale: float) -> None:
     """A Vertex image export (JSONL naming 4 KiB objects) on the GCS server: the referenced bytes fetched by
     ``VertexImage`` vs a sequential gcsfs ``cat`` per line."""
-    from vertexrt.data.managed import VertexImage
+    from vertexrt.data.formats.managed import VertexImage
     from vertexrt.emulator import GCSServer
 
     n = max(100, int(2000 * scale))

@@ -96,7 +96,7 @@ def _epochs(path: Path) -> dict[int, tuple[int, str]]:
 
 @pytest.mark.parametrize("options", [{"shuffle": False}, {"shuffle": True, "shuffle_buffer": 16, "seed": 3}])
 def test_the_data_digest_continues_across_a_saved_and_restored_reader(audited, tmp_path, options) -> None:
-    from vertexrt.data.dataset import open_dataset
+    from vertexrt.data import open_dataset
 
     data = _jsonl(tmp_path)
     log = audited()
@@ -120,7 +120,7 @@ def test_the_data_digest_continues_across_a_saved_and_restored_reader(audited, t
 
 
 def test_a_reader_that_starts_over_instead_of_resuming_is_told_apart(audited, tmp_path) -> None:
-    from vertexrt.data.dataset import open_dataset
+    from vertexrt.data import open_dataset
 
     data = _jsonl(tmp_path)
     log = audited()
@@ -141,7 +141,7 @@ def test_a_reader_that_starts_over_instead_of_resuming_is_told_apart(audited, tm
 
 
 def test_the_data_state_is_unchanged_without_the_audit(tmp_path, monkeypatch) -> None:
-    from vertexrt.data.dataset import open_dataset
+    from vertexrt.data import open_dataset
 
     monkeypatch.delenv(audit.DIRECTORY_VARIABLE, raising=False)
     audit.reset()
@@ -166,7 +166,7 @@ def test_the_data_state_is_unchanged_without_the_audit(tmp_path, monkeypatch) ->
 
 def test_the_data_digest_of_dataloader_workers_continues_across_a_resume(tmp_path, monkeypatch) -> None:
     pytest.importorskip("torch")
-    from vertexrt.data.dataset import open_dataset
+    from vertexrt.data import open_dataset
     from vertexrt.data.torch import DataLoader
     from vertexrt.distributed.chaos.driver import data_epochs
 
@@ -206,7 +206,7 @@ def test_the_data_digest_of_dataloader_workers_continues_across_a_resume(tmp_pat
 
 
 def test_the_data_digest_of_column_batches_continues_across_a_resume(audited, tmp_path) -> None:
-    from vertexrt.data.dataset import open_dataset
+    from vertexrt.data import open_dataset
 
     data = _jsonl(tmp_path)
     log = audited()
@@ -230,7 +230,7 @@ def test_records_read_through_as_tf_are_audited_once_up_to_the_process_exit(tmp_
     pytest.importorskip("tensorflow")
     data = _jsonl(tmp_path)
     script = (
-        "import sys; from vertexrt.data.dataset import open_dataset\n"
+        "import sys; from vertexrt.data import open_dataset\n"
         "ds = open_dataset(sys.argv[1], shuffle=True, seed=3); ds.state_dict()\n"
         "print(sorted(int(r['id']) for r in ds.as_tf().as_numpy_iterator()) == list(range(50)))\n"
         "it = iter(ds); [next(it) for _ in range(7)]\n"  # epoch 1, left unfinished at the exit

@@ -13,7 +13,7 @@ from rank_exit import exits_hard
 
 from vertexrt.data import BigQuery, open_dataset
 from vertexrt.data.cursor import Cursor, chunks
-from vertexrt.data.formats import Errors
+from vertexrt.data.formats.base import Errors
 from vertexrt.errors import DataError
 
 from .test_bigquery_storage import ids, plan, spec, use

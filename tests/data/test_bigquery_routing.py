@@ -231,13 +231,13 @@ def test_an_expired_session_is_renewed_once_in_the_parent_not_in_each_dataloader
 
     ds = open_dataset(TABLE, format=BigQuery(streams=2), shuffle=False, rank=0, world_size=1)  # 2 streams
     ds.prepare()
-    ds._streams = ([dataclasses.replace(s, expires=0.0) for s in ds._streams[0]],)  # 6 h later
+    ds._source.streams = [dataclasses.replace(s, expires=0.0) for s in ds._source.streams]  # 6 h later
     before = sessions(emulator)
     loader = DataLoader(ds, batch_size=4096, num_workers=2, multiprocessing_context="fork")
     got = [int(i) for batch in loader for i in batch["id"]]
     assert sorted(got) == list(range(ROWS))
     assert sessions(emulator) == before + 1  # one new session for the rank, none per worker
-    ds._streams = ([dataclasses.replace(s, expires=0.0) for s in ds._streams[0]],)
+    ds._source.streams = [dataclasses.replace(s, expires=0.0) for s in ds._source.streams]
     loader.set_epoch(5)  # a new epoch renews it too
     assert sessions(emulator) == before + 2
     assert sorted(int(i) for batch in loader for i in batch["id"]) == list(range(ROWS))
@@ -247,7 +247,7 @@ def test_an_expired_session_is_renewed_once_in_the_parent_not_in_each_dataloader
 def test_the_next_epoch_of_a_plain_iteration_renews_an_expiring_session_once(emulator: Any, caplog) -> None:
     ds = open_dataset(TABLE, format=BigQuery(columns=["id"], streams=2), shuffle=False, rank=0, world_size=1)
     assert sorted(ids(ds)) == list(range(ROWS))  # epoch 0; the dataset moves on to epoch 1
-    ds._streams = ([dataclasses.replace(s, expires=0.0) for s in ds._streams[0]],)
+    ds._source.streams = [dataclasses.replace(s, expires=0.0) for s in ds._source.streams]
     before = sessions(emulator)
     with caplog.at_level(logging.WARNING, logger="vertexrt.data"):
         assert sorted(ids(ds)) == list(range(ROWS))
@@ -271,9 +271,9 @@ def _rank(rank: int, port: int, out: str) -> None:
     loader = DataLoader(equal, batch_size=4096, num_workers=2, multiprocessing_context="fork")
     got = [int(i) for batch in loader for i in batch["id"]]
     Path(out, f"rank{rank}-equal").write_text(" ".join(map(str, got)))
-    equal._streams = ([dataclasses.replace(s, expires=0.0) for s in equal._streams[0]],)  # 6 h later
+    equal._source.streams = [dataclasses.replace(s, expires=0.0) for s in equal._source.streams]  # 6 h later
     loader.set_epoch(7)  # every rank: the chief makes one new session and shares it
-    Path(out, f"rank{rank}-renewed").write_text(equal._streams[0][0].session)
+    Path(out, f"rank{rank}-renewed").write_text(equal._source.streams[0].session)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -374,7 +374,7 @@ def test_the_session_asks_for_a_stream_per_reader(emulator: Any) -> None:
 
     ds = open_dataset(TABLE, format=BigQuery(streams=1), shuffle=False, rank=0, world_size=1)
     DataLoader(ds, batch_size=1000, num_workers=3, multiprocessing_context="fork")
-    assert len(ds._streams[0]) == 3  # 1 per replica asked, but 3 readers read it
+    assert len(ds._source.streams) == 3  # 1 per replica asked, but 3 readers read it
 
 
 def test_a_stream_shared_by_several_readers_is_read_from_each_readers_row(emulator: Any) -> None:
@@ -389,7 +389,7 @@ def test_a_stream_shared_by_several_readers_is_read_from_each_readers_row(emulat
     loader = DataLoader(ds, batch_size=100, num_workers=4, multiprocessing_context="fork")
     got = [int(i) for batch in loader for i in batch["id"]]
     assert sorted(got) == list(range(1000))
-    assert len(ds._streams[0]) == 1  # the emulator grants one stream for a small table
+    assert len(ds._source.streams) == 1  # the emulator grants one stream for a small table
     # one read to count the stream, then each of the 4 readers reads its quarter from its own row
     assert sorted(read_offsets(emulator, since)) == [0, 0, 250, 500, 750]
 
@@ -418,10 +418,10 @@ def test_persistent_dataloader_workers_read_the_session_the_parent_renewed(emula
         ds, batch_size=4096, num_workers=2, persistent_workers=True, multiprocessing_context="fork"
     )
     assert sorted(int(i) for batch in loader for i in batch["id"]) == list(range(ROWS))  # workers started
-    ds._streams = ([dataclasses.replace(s, expires=0.0) for s in ds._streams[0]],)  # 6 h later
+    ds._source.streams = [dataclasses.replace(s, expires=0.0) for s in ds._source.streams]  # 6 h later
     before = sessions(emulator)
     loader.set_epoch(5)  # the parent renews the session; the workers started with the old one
-    renewed = ds._streams[0][0].session
+    renewed = ds._source.streams[0].session
     assert sessions(emulator) == before + 1
     since = len(read_offsets(emulator, 0))
     assert sorted(int(i) for batch in loader for i in batch["id"]) == list(range(ROWS))

@@ -18,7 +18,7 @@ from rank_exit import exits_hard
 from vertexrt.data import BigQuery
 from vertexrt.data.bigquery_storage import StreamSource
 from vertexrt.data.cursor import Cursor, StreamSpec, chunks
-from vertexrt.data.formats import Errors
+from vertexrt.data.formats.base import Errors
 from vertexrt.data.sharding import Unit, assign
 from vertexrt.data.sources import parse_table
 from vertexrt.errors import DataError

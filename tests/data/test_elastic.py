@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from vertexrt.data import open_dataset
-from vertexrt.data.dataset import merge_states
+from vertexrt.data import merge_states, open_dataset
 from vertexrt.data.sharding import remaining, share
 from vertexrt.errors import DataError
 
@@ -22,7 +21,7 @@ TOTAL = sum(SIZES_7)  # 216: divisible by 4, 3 and 1
 def reader(root: str, rank: int, world: int, worker: int, workers: int, **kw: Any) -> Any:
     options: dict[str, Any] = {"seed": 5, "shuffle_buffer": 1, **kw}
     ds = open_dataset(f"{root}/part-*.jsonl", rank=rank, world_size=world, **options)
-    ds._worker = (worker, workers)  # what get_worker_info() reports inside a DataLoader worker
+    ds.set_loader_worker(worker, workers)  # what get_worker_info() reports inside a DataLoader worker
     ds.set_epoch(2)
     return ds
 

@@ -154,7 +154,7 @@ def test_parquet_rows_are_handed_out_in_slices_of_at_most_1024_at_their_exact_ro
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from vertexrt.data.formats import Errors, FileSource
+    from vertexrt.data.formats.base import Errors, FileSource
 
     path = tmp_path / "big.parquet"
     pq.write_table(pa.table({"id": range(5000)}), path, row_group_size=3000)

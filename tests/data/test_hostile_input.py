@@ -12,7 +12,7 @@ import pytest
 
 from vertexrt import paths
 from vertexrt.data import CSV, JSONL, Parquet, TFRecord, TFRecordWriter, open_dataset
-from vertexrt.data.tfrecord import masked_crc32c
+from vertexrt.data.formats.tfrecord import masked_crc32c
 from vertexrt.errors import DataError
 
 from .conftest import write_bytes

@@ -12,8 +12,8 @@ import pytest
 
 from vertexrt import paths
 from vertexrt.data import open_dataset
-from vertexrt.data.formats import FileSource
-from vertexrt.data.managed import VertexImage, VertexText, VertexVideo, format_for_line, sniff
+from vertexrt.data.formats.base import FileSource
+from vertexrt.data.formats.managed import VertexImage, VertexText, VertexVideo, format_for_line, sniff
 from vertexrt.errors import DataError
 
 from .conftest import write_bytes

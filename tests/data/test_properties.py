@@ -52,7 +52,7 @@ def test_every_record_exactly_once(
                     shuffle_buffer=buffer,
                     equalize=None,
                 )
-                ds._worker = (worker, workers)
+                ds.set_loader_worker(worker, workers)
                 ds.set_epoch(epoch)
                 seen.update(r["id"] for r in ds)
         assert seen == Counter(range(sum(sizes)))
@@ -129,7 +129,7 @@ def test_resume_on_another_topology_reads_nothing_twice(
 ) -> None:
     """Readers of an ``old`` (world, workers) job stop anywhere; a ``new`` one resumes from the merged state:
     no record twice, and only the ``drop_remainder`` tail (under one record per new reader) unread."""
-    from vertexrt.data.dataset import merge_states
+    from vertexrt.data import merge_states
 
     with tempfile.TemporaryDirectory() as root:
         pattern = write_files(root, sizes)
@@ -137,7 +137,7 @@ def test_resume_on_another_topology_reads_nothing_twice(
 
         def reader(rank: int, world: int, worker: int, workers: int) -> Any:
             ds = open_dataset(pattern, rank=rank, world_size=world, **options)  # type: ignore[arg-type]
-            ds._worker = (worker, workers)
+            ds.set_loader_worker(worker, workers)
             return ds
 
         seen: Counter[int] = Counter()

@@ -206,7 +206,7 @@ def test_a_bad_record_mid_run_hands_out_the_records_before_it_then_resumes_after
 def test_state_at_the_edge_of_a_local_read(tmp_path) -> None:
     # local files are read LOCAL_READ_SIZE bytes at a time: stops at the records around a read's edge
     # (one of them crossing it) resume exactly
-    from vertexrt.data._lines import LOCAL_READ_SIZE
+    from vertexrt.data.formats._lines import LOCAL_READ_SIZE
 
     lines = [json.dumps({"id": i, "pad": "x" * (i % 100)}).encode() for i in range(40_000)]
     path = tmp_path / "edges.jsonl"
@@ -406,7 +406,7 @@ def test_data_rewritten_identically_on_cloud_storage_still_resumes(storage_root:
 
 
 def test_merging_a_damaged_state_names_the_field(tmp_path, id_files) -> None:
-    from vertexrt.data.dataset import merge_states
+    from vertexrt.data import merge_states
     from vertexrt.errors import DataError
 
     _, state = saved_at(tmp_path, id_files)

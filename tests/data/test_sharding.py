@@ -18,7 +18,7 @@ TOTAL = sum(SIZES_7)
 
 
 def reader_ids(ds: Dataset, rank: int, worker: int, workers: int) -> list[int]:
-    ds._worker = (worker, workers)  # what get_worker_info() reports inside a DataLoader worker
+    ds.set_loader_worker(worker, workers)  # what get_worker_info() reports inside a DataLoader worker
     return [r["id"] for r in ds]
 
 

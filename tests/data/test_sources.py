@@ -65,7 +65,7 @@ def test_local_file_looking_like_a_table_is_a_file(tmp_path, monkeypatch) -> Non
     "name", ["x.jsonl", "x.ndjson", "x.csv", "x.tsv", "x.tfrecord", "x.tfrecord.gz", "x.parquet"]
 )
 def test_format_from_extension(name: str) -> None:
-    from vertexrt.data.formats import format_for_uri
+    from vertexrt.data.formats.registry import format_for_uri
 
     fmt = format_for_uri(f"gs://b/{name}")
     assert fmt is not None and fmt.name in name.replace("ndjson", "jsonl").replace("tsv", "csv")

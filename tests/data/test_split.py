@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 
 from vertexrt import paths
-from vertexrt.data import CSV, open_dataset
+from vertexrt.data import CSV, merge_states, open_dataset
 from vertexrt.data._io import TAIL_READ
-from vertexrt.data.dataset import merge_states
 from vertexrt.errors import DataError
 
 ROWS = 60_000
@@ -60,7 +59,7 @@ def ids(ds: Any) -> list[int]:
 def test_one_file_many_readers_reads_about_a_share_each(
     big_csv: str, tally, readers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 256 << 10)  # 4 pieces per reader
+    monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 256 << 10)  # 4 pieces per reader
     size = os.path.getsize(big_csv)
     seen: Counter[int] = Counter()
     per_reader = []
@@ -80,7 +79,7 @@ def test_one_file_many_readers_reads_about_a_share_each(
 def test_one_jsonl_file_many_readers_reads_about_a_share_each(
     tmp_path, tally, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 256 << 10)
+    monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 256 << 10)
     uri = str(tmp_path / "big.jsonl")
     with open(uri, "w") as f:
         f.writelines(json.dumps({"id": i, "text": "y" * (i % 300)}) + "\n" for i in range(ROWS))
@@ -156,7 +155,7 @@ def tfrecord_payloads(count: int) -> list[bytes]:
     import random
     import struct
 
-    from vertexrt.data.tfrecord import encode_record, masked_crc32c
+    from vertexrt.data.formats.tfrecord import encode_record, masked_crc32c
 
     rng = random.Random(5)
     out = []
@@ -190,7 +189,7 @@ def big_tfrecord(tmp_path) -> tuple[str, list[bytes]]:
 def test_tfrecord_pieces_hold_every_record_once(
     big_tfrecord: tuple[str, list[bytes]], readers: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 16 << 10)
+    monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 16 << 10)
     uri, payloads = big_tfrecord
     seen: Counter[bytes] = Counter()
     for rank in range(readers):
@@ -201,7 +200,7 @@ def test_tfrecord_pieces_hold_every_record_once(
 def test_tfrecord_reader_reads_about_a_share(
     big_tfrecord: tuple[str, list[bytes]], tally, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 64 << 10)
     uri, payloads = big_tfrecord
     readers, size, seen, per_reader = 4, os.path.getsize(uri), Counter[bytes](), []
     for rank in range(readers):
@@ -219,7 +218,7 @@ def test_tfrecord_reader_reads_about_a_share(
 def test_tfrecord_exact_resume_inside_a_piece(
     big_tfrecord: tuple[str, list[bytes]], equalize: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 16 << 10)
+    monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 16 << 10)
     uri, _ = big_tfrecord
 
     def reader() -> Any:
@@ -238,9 +237,9 @@ def test_tfrecord_payloads_holding_framed_records_are_an_error_not_duplicates(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from vertexrt.data import TFRecordWriter
-    from vertexrt.data.tfrecord import encode_record
+    from vertexrt.data.formats.tfrecord import encode_record
 
-    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 16 << 10)
+    monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 16 << 10)
     uri = str(tmp_path / "nested.tfrecord")
     inner = b"".join(encode_record(b"inner %d" % i) for i in range(400))  # a TFRecord file as a payload
     with TFRecordWriter(uri) as writer:
@@ -253,9 +252,9 @@ def test_tfrecord_payloads_holding_framed_records_are_an_error_not_duplicates(
 
 def test_compressed_tfrecord_is_read_whole(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     from vertexrt.data import TFRecord, TFRecordWriter
-    from vertexrt.data.formats import FileSource
+    from vertexrt.data.formats.base import FileSource
 
-    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 1 << 10)
+    monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 1 << 10)
     uri = str(tmp_path / "big.tfrecord.gz")
     payloads = tfrecord_payloads(500)
     with TFRecordWriter(uri) as writer:
@@ -309,7 +308,7 @@ def test_parquet_row_group_pieces_hold_every_row_once(tmp_path, readers: int, co
 
 def test_parquet_pieces_are_whole_row_groups(tmp_path) -> None:
     from vertexrt.data import Parquet
-    from vertexrt.data.formats import FileSource
+    from vertexrt.data.formats.base import FileSource
 
     uri = write_parquet(str(tmp_path / "one.parquet"))
     source = FileSource(uri, os.path.getsize(uri))
@@ -369,7 +368,7 @@ def test_tfrecord_corruption_in_a_split_file_is_reported_never_duplicated(
 ) -> None:
     from vertexrt.data import TFRecordWriter
 
-    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 16 << 10)
+    monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 16 << 10)
     uri = str(tmp_path / "damaged.tfrecord")
     payloads = [b"%05d" % i + bytes(300) for i in range(1000)]  # 321 bytes a record
     with TFRecordWriter(uri) as writer:
@@ -395,7 +394,7 @@ def test_tfrecord_corruption_in_a_split_file_is_reported_never_duplicated(
 
 def test_tfrecord_damaged_record_at_a_cut_is_a_bad_record(tmp_path) -> None:
     from vertexrt.data import TFRecord, TFRecordWriter
-    from vertexrt.data.formats import Errors, FileSource
+    from vertexrt.data.formats.base import Errors, FileSource
 
     uri = str(tmp_path / "cut.tfrecord")
     payloads = [b"%05d" % i + bytes(300) for i in range(12_000)]  # 321 bytes a record
@@ -423,7 +422,7 @@ def test_tfrecord_damaged_record_at_a_cut_is_a_bad_record(tmp_path) -> None:
 def test_split_tfrecord_and_parquet_resume_on_another_world_size(
     big_tfrecord: tuple[str, list[bytes]], tmp_path, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 16 << 10)
+    monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 16 << 10)
     expected: Counter[Any]
     if kind == "tfrecord":
         uri, expected = big_tfrecord[0], Counter(big_tfrecord[1])

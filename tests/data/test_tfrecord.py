@@ -8,7 +8,7 @@ import pytest
 
 from vertexrt import paths
 from vertexrt.data import TFRecord, TFRecordWriter, decode_example, encode_example, open_dataset
-from vertexrt.data.tfrecord import encode_record, masked_crc32c
+from vertexrt.data.formats.tfrecord import encode_record, masked_crc32c
 
 PAYLOADS = [b"", b"hello", bytes(32), os.urandom(1000), os.urandom(70_000), b"\x00\xff" * 9]
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from vertexrt.data import open_dataset
-from vertexrt.data.jsonl import JSONL
+from vertexrt.data.formats.jsonl import JSONL
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader  # noqa: E402
@@ -145,7 +145,7 @@ def test_equalize_counts_once_per_rank_before_the_workers_fork(
 ) -> None:
     from vertexrt.data.torch import DataLoader as ResumableLoader
 
-    monkeypatch.setattr("vertexrt.data.formats.MIN_PIECE_BYTES", 64)  # cut these small files (forked too)
+    monkeypatch.setattr("vertexrt.data.formats.base.MIN_PIECE_BYTES", 64)  # cut small files (forked too)
     id_files(str(tmp_path), [40, 40, 40])  # 3 files < 2 ranks x 2 workers: the workers read file pieces
     log = str(tmp_path / "counts.log")
     ds = open_dataset(

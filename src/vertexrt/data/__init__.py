@@ -15,41 +15,37 @@ from typing import TYPE_CHECKING
 from vertexrt._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from vertexrt.data.bigquery import BigQuery
-    from vertexrt.data.csv import CSV
-    from vertexrt.data.dataset import (
-        Dataset,
-        merge_states,
-        open_dataset,
-        test_dataset,
-        validation_dataset,
-    )
+    from vertexrt.data.dataset import Dataset
     from vertexrt.data.example import decode_example, encode_example
-    from vertexrt.data.files import Files
-    from vertexrt.data.jsonl import JSONL
-    from vertexrt.data.managed import VertexImage, VertexText, VertexVideo
-    from vertexrt.data.parquet import Parquet
+    from vertexrt.data.formats.bigquery import BigQuery
+    from vertexrt.data.formats.csv import CSV
+    from vertexrt.data.formats.files import Files
+    from vertexrt.data.formats.jsonl import JSONL
+    from vertexrt.data.formats.managed import VertexImage, VertexText, VertexVideo
+    from vertexrt.data.formats.parquet import Parquet
+    from vertexrt.data.formats.tfrecord import TFRecord, TFRecordWriter
+    from vertexrt.data.opener import open_dataset, test_dataset, validation_dataset
     from vertexrt.data.prefetch import Prefetcher
     from vertexrt.data.resumable import ResumableLoader, ResumableSampler, resumable_loader
-    from vertexrt.data.tfrecord import TFRecord, TFRecordWriter
+    from vertexrt.data.resume_state import merge_states
     from vertexrt.data.torch import DataLoader
 
 _EXPORTS = {
-    "open_dataset": "vertexrt.data.dataset",
-    "merge_states": "vertexrt.data.dataset",
-    "VertexImage": "vertexrt.data.managed",
-    "VertexText": "vertexrt.data.managed",
-    "VertexVideo": "vertexrt.data.managed",
-    "validation_dataset": "vertexrt.data.dataset",
-    "test_dataset": "vertexrt.data.dataset",
+    "open_dataset": "vertexrt.data.opener",
+    "merge_states": "vertexrt.data.resume_state",
+    "VertexImage": "vertexrt.data.formats.managed",
+    "VertexText": "vertexrt.data.formats.managed",
+    "VertexVideo": "vertexrt.data.formats.managed",
+    "validation_dataset": "vertexrt.data.opener",
+    "test_dataset": "vertexrt.data.opener",
     "Dataset": "vertexrt.data.dataset",
-    "JSONL": "vertexrt.data.jsonl",
-    "CSV": "vertexrt.data.csv",
-    "TFRecord": "vertexrt.data.tfrecord",
-    "TFRecordWriter": "vertexrt.data.tfrecord",
-    "Parquet": "vertexrt.data.parquet",
-    "Files": "vertexrt.data.files",
-    "BigQuery": "vertexrt.data.bigquery",
+    "JSONL": "vertexrt.data.formats.jsonl",
+    "CSV": "vertexrt.data.formats.csv",
+    "TFRecord": "vertexrt.data.formats.tfrecord",
+    "TFRecordWriter": "vertexrt.data.formats.tfrecord",
+    "Parquet": "vertexrt.data.formats.parquet",
+    "Files": "vertexrt.data.formats.files",
+    "BigQuery": "vertexrt.data.formats.bigquery",
     "decode_example": "vertexrt.data.example",
     "encode_example": "vertexrt.data.example",
     "Prefetcher": "vertexrt.data.prefetch",

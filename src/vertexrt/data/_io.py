@@ -142,9 +142,12 @@ class _Ranged:
         end = self._size if size < 0 else min(self._size, self._pos + size)
         if end <= self._pos:
             return b""
-        data: bytes = _storage_call(
-            "reading", self._uri, self._fs.cat_file, self._path, start=self._pos, end=end
-        )
+        try:
+            data: bytes = _storage_call(
+                "reading", self._uri, self._fs.cat_file, self._path, start=self._pos, end=end
+            )
+        except FileNotFoundError:  # opened with its listed size: a file deleted since fails here
+            raise DataError(f"{self._uri}: {NOT_FOUND}") from None
         self._pos += len(data)
         return data
 
@@ -163,9 +166,9 @@ def _storage_call(operation: str, uri: str, fn: Any, *args: Any, **kwargs: Any) 
         raise DataError(str(err)) from err
 
 
-def _open_raw(uri: str, start: int) -> Any:
+def _open_raw(uri: str, start: int, size: int | None = None) -> Any:
     """The file at ``uri``, positioned at byte ``start``: a local (or mounted) file, or a :class:`_Ranged`
-    Cloud Storage object."""
+    Cloud Storage object (of ``size`` bytes when known: no metadata request)."""
     from vertexrt import paths
 
     fs, path = paths.filesystem(uri)
@@ -174,10 +177,12 @@ def _open_raw(uri: str, start: int) -> Any:
         if start:
             raw.seek(start)
         return raw
-    info = _storage_call("opening", uri, fs.info, path, kind="list")
-    return _Ranged(fs, path, uri, start, int(info.get("size") or 0))
+    if size is None:
+        size = int(_storage_call("opening", uri, fs.info, path, kind="list").get("size") or 0)
+    return _Ranged(fs, path, uri, start, size)
 
 
+NOT_FOUND = "file not found (was it deleted or renamed after the dataset was opened?)"
 TAIL_READ = 64 << 10
 """Bytes asked for per read past the end of a byte range: only the record that crosses the end is wanted."""
 
@@ -198,18 +203,20 @@ class _Bounded(_Wrapped):
         return data
 
 
-def open_at(uri: str, compression: str, start: int, end: int | None = None) -> Any:
+def open_at(uri: str, compression: str, start: int, end: int | None = None, size: int | None = None) -> Any:
     """Open ``uri`` for reading, positioned at decompressed offset ``start``; with ``end`` (an
     uncompressed file only), reads are sized to stop at byte ``end`` and go on in small reads past it.
+    ``size``: the file's size when known (its listing's): a Cloud Storage object is opened without a
+    metadata request.
 
     Example:
         >>> f = open_at("gs://b/part-0.jsonl.gz", "GZIP", 0)
         >>> piece = open_at("gs://b/big.csv", "", 1 << 30, end=2 << 30)
     """
     try:
-        raw = _open_raw(uri, 0 if compression else start)
+        raw = _open_raw(uri, 0 if compression else start, size)
     except FileNotFoundError:
-        raise DataError(f"{uri}: file not found (was it deleted or renamed after the dataset was opened?)")
+        raise DataError(f"{uri}: {NOT_FOUND}")
     except PermissionError as err:
         raise DataError(f"{uri}: permission denied ({err}); grant the job's service account read access")
     if not compression:

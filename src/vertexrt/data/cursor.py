@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from vertexrt.data.columns import concat, take
-from vertexrt.data.formats import Errors, Format
+from vertexrt.data.formats.base import Errors, Format
 from vertexrt.data.sharding import Unit
 from vertexrt.errors import DataError
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vertexrt.data.formats import FileSource
+from vertexrt.data.formats.base import FileSource
 from vertexrt.errors import DataError, PathError, StorageError
 
 _TABLE = re.compile(

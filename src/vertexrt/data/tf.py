@@ -62,7 +62,7 @@ def to_tf(dataset: Dataset, output_signature: Any = None) -> tf.data.Dataset:
     if output_signature is None:
         probe = _first_record(dataset)
         output_signature = spec_of(probe)
-    length = None if dataset._cursors else dataset.epoch_length()
+    length = None if dataset.mid_epoch else dataset.epoch_length()
     passes = _Passes(dataset) if length is not None else (lambda: _records(dataset))
     out = tf.data.Dataset.from_generator(passes, output_signature=output_signature)
     if length is not None:
@@ -83,7 +83,7 @@ class _Passes:
         dataset = self.dataset
         if self.began is not None and dataset.epoch == self.began:  # the previous pass was cut short
             dataset.set_epoch(self.began + 1)
-        elif dataset._cursors:
+        elif dataset.mid_epoch:
             raise DataError(
                 f"{dataset!r} is mid-epoch (a state loaded, or records read) after as_tf() asserted the "
                 "epoch's cardinality: call load_state_dict() before as_tf() so that the resumed first pass "
@@ -105,12 +105,6 @@ def _records(dataset: Dataset) -> Iterator[Any]:
 
 
 def _first_record(dataset: Dataset) -> Any:
-    import copy
-
-    probe = copy.copy(dataset)
-    probe.__dict__ = dataset.__getstate__()
-    probe._cursors = {}
-    probe.prefetch = 0
-    for record in _records(probe):
+    for record in _records(dataset.copy_at_epoch_start()):
         return record
     raise DataError(f"{dataset!r} has no records to infer a signature from: pass output_signature=...")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -56,7 +57,7 @@ class TorchIterable(IterableDataset):  # type: ignore[type-arg]
         # (persistent) workers.
         self._shared = torch.tensor([dataset.epoch, 0, 0], dtype=torch.int64).share_memory_()
         self._seen = 0
-        self._plans = _PlanBox(dataset)
+        self._plans = _SharedReadPlan(dataset)
         self._plan_seen = 0
 
     def prepare(self, num_workers: int) -> None:
@@ -68,13 +69,7 @@ class TorchIterable(IterableDataset):  # type: ignore[type-arg]
             >>> it = ds.as_torch(); it.prepare(num_workers=4)
             >>> loader = torch.utils.data.DataLoader(it, batch_size=32, num_workers=4)
         """
-        data = self.dataset
-        saved = data._worker
-        data._worker = (0, max(1, num_workers))  # the readers are this rank's workers (their pieces)
-        try:
-            data.prepare()
-        finally:
-            data._worker = saved
+        self.dataset.prepare(num_workers)  # the readers are this rank's workers (their pieces)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch in this process and in every (persistent) DataLoader worker; a ``bq://`` read
@@ -90,11 +85,11 @@ class TorchIterable(IterableDataset):  # type: ignore[type-arg]
         info = get_worker_info()
         dataset = self.dataset
         if info is not None:
-            dataset._worker = (info.id, info.num_workers)
+            dataset.set_loader_worker(info.id, info.num_workers)
         plans = int(self._shared[2])
         if info is not None and plans != self._plan_seen:  # the parent renewed its read session
             self._plan_seen = plans
-            self._plans.adopt(dataset)
+            self._plans.apply(dataset)
         generation = int(self._shared[1])
         if generation != self._seen:
             self._seen = generation
@@ -118,48 +113,32 @@ class TorchIterable(IterableDataset):  # type: ignore[type-arg]
         raise TypeError("a streaming vertexrt dataset has no len(); use equalize=... for equal batch counts")
 
 
-class _PlanBox:
-    """A ``bq://`` dataset's Storage Read plan (session, stream names, stream row counts) in shared memory,
-    so that persistent DataLoader workers read the session the parent renewed instead of each making one
-    of its own when their forked copy expires."""
+class _SharedReadPlan:
+    """A ``bq://`` dataset's read plan (session, stream names, stream row counts: ``Dataset.read_plan()``)
+    in shared memory, so that persistent DataLoader workers read the session the parent renewed instead of
+    each making one of its own when their forked copy expires."""
 
     def __init__(self, dataset: Dataset):
-        self.session = self._session(dataset)
-        blob = self._blob(dataset)
+        plan = dataset.read_plan()
+        self.session = plan["name"] if plan else None
+        blob = None if plan is None else json.dumps(plan).encode()
         # a new session of the same table and options has about as many streams, with names as long
         self.buffer = torch.zeros(0 if blob is None else max(1 << 16, 4 * len(blob)), dtype=torch.uint8)
         self.buffer.share_memory_()
 
-    @staticmethod
-    def _session(dataset: Dataset) -> str | None:
-        streams = dataset._streams[0] if dataset._streams else None
-        return streams[0].session if streams else None
-
-    @staticmethod
-    def _blob(dataset: Dataset) -> bytes | None:
-        import json
-
-        from vertexrt.data.bigquery_storage import session_record
-
-        streams = dataset._streams[0] if dataset._streams else None
-        if not streams:
-            return None
-        counts = [dataset._counts.get(i) for i in range(len(streams))]
-        known = None if None in counts else counts
-        return json.dumps(session_record(streams, known)).encode()  # type: ignore[arg-type]
-
     def publish(self, dataset: Dataset) -> bool:
         """Write the parent's plan when its session changed; True when written."""
-        session = self._session(dataset)
-        if session is None or session == self.session:
+        plan = dataset.read_plan()
+        session = plan["name"] if plan else None
+        if plan is None or session == self.session:
             return False
         self.session = session
-        blob = self._blob(dataset)
-        if blob is None or len(blob) + 8 > len(self.buffer):
+        blob = json.dumps(plan).encode()
+        if len(blob) + 8 > len(self.buffer):
             logger.warning(
                 "bq://%s: the renewed read session %s does not fit the %d bytes shared with persistent "
                 "DataLoader workers; each worker makes its own session when its copy expires",
-                dataset.sources.table_id,  # type: ignore[union-attr]
+                plan.get("table"),
                 session,
                 len(self.buffer),
             )
@@ -168,19 +147,12 @@ class _PlanBox:
         self.buffer[8 : 8 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
         return True
 
-    def adopt(self, dataset: Dataset) -> None:
+    def apply(self, dataset: Dataset) -> None:
         """In a worker: read the streams (and their row counts) of the plan last published."""
-        import json
-
         from vertexrt.data.bigquery_storage import check_record
 
         size = int.from_bytes(bytes(self.buffer[:8].tolist()), "little")
-        record = check_record(json.loads(bytes(self.buffer[8 : 8 + size].numpy()).decode()))
-        streams = dataset.format.reuse(dataset.sources, record) if record else None  # type: ignore[attr-defined]
-        if streams:
-            dataset._streams = (streams,)
-            dataset._counts = {key: n for key, n in dataset._counts.items() if not isinstance(key, int)}
-            dataset._counts.update(enumerate(record["counts"] or []))  # type: ignore[index]
+        dataset.use_read_plan(check_record(json.loads(bytes(self.buffer[8 : 8 + size].numpy()).decode())))
 
 
 class _CursorCollate:
@@ -206,7 +178,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
     ``columnar`` dataset each batch is the reader's column batch as tensors (``batch_size=None``). Call
     ``load_state_dict`` before the first iteration. A state resumes on another world size or ``num_workers``
     when its layout is elastic (``shuffle_buffer=1`` with ``equalize`` in force) and it holds every rank's
-    readers (:func:`~vertexrt.data.dataset.merge_states`).
+    readers (:func:`~vertexrt.data.merge_states`).
     """
 
     def __init__(self, dataset: Dataset | TorchIterable, collate_fn: Any = None, **kwargs: Any):
@@ -227,7 +199,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         self._resumed_epoch: int | None = None  # the epoch a loaded state is in the middle of
         self._resumed_batches: int | None = None  # the batches of it handed out before the save
         self._handed: int | None = 0  # batches of the current epoch handed out (None: unknown)
-        iterable.dataset._loader_workers = max(1, self.num_workers)
+        iterable.dataset.loader_workers = max(1, self.num_workers)
 
     @property
     def data(self) -> Dataset:
@@ -248,12 +220,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         """
         data = self.data
         workers = max(1, self.num_workers)
-        saved = data._worker
-        data._worker = (0, workers)  # every reader of this rank (one per worker) yields the same number
-        try:
-            records = data.epoch_length()
-        finally:
-            data._worker = saved
+        records = data.epoch_length(workers)  # every reader of this rank (one per worker) yields as many
         if records is None:
             raise TypeError(
                 "this vertexrt.data.DataLoader has no len(): its dataset is not equalized; open it with "
@@ -304,7 +271,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
         topo = self.data.topology()
         workers = max(1, self.num_workers)
         readers = topo.world_size * workers
-        covers = self.data._covers | set(range(topo.rank * workers, (topo.rank + 1) * workers))
+        covers = self.data.readers_in_state | set(range(topo.rank * workers, (topo.rank + 1) * workers))
         return {
             **state,
             "readers": readers if cursors else None,
@@ -323,7 +290,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             )
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
         world = self.data.topology().world_size
-        self.data.adopt(world, world * max(1, self.num_workers))  # another world size: share out afresh
+        self.data.reshare(world, world * max(1, self.num_workers))  # another world size: share out afresh
         self._reader_cursors = {}
         self._cursors_epoch = self.data.epoch
         self._resumed_epoch = self.data.epoch

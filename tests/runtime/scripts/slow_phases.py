@@ -24,7 +24,7 @@ import torch
 import vertexrt
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps
 from vertexrt.data import open_dataset
-from vertexrt.data.jsonl import JSONL
+from vertexrt.data.formats.jsonl import JSONL
 
 SLOW = 2.5
 

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from vertexrt.data._io import MAX_RECORD_BYTES, compression_for
-from vertexrt.data._lines import line_lists, locate
-from vertexrt.data.formats import Errors, FileSource, Format, byte_pieces
+from vertexrt.data.formats._lines import line_lists, locate
+from vertexrt.data.formats.base import Errors, FileSource, Format, byte_pieces
 
 
 class JSONL(Format):
@@ -32,7 +32,15 @@ class JSONL(Format):
         self, source: FileSource, start: int, end: int | None, errors: Errors
     ) -> Iterator[tuple[int, list[bytes]]]:
         compression = compression_for(source.uri, self.compression)
-        lists = line_lists(source.uri, compression, start, errors, limit=self.max_record_bytes, end=end)
+        lists = line_lists(
+            source.uri,
+            compression,
+            start,
+            errors,
+            limit=self.max_record_bytes,
+            end=end,
+            file_size=source.size,
+        )
         for pos, lines in lists:
             raws = list(filter(None, lines))  # whitespace-only lines are dropped when they fail to decode
             if raws:

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vertexrt.data._io import GCS_BLOCK_SIZE
-from vertexrt.data.formats import Errors, FileSource, Format
+from vertexrt.data.formats.base import Errors, FileSource, Format
 from vertexrt.errors import DataError
 
 ROW_SLICE = 1024

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from vertexrt.data._io import MAX_RECORD_BYTES, compression_for
-from vertexrt.data._lines import last_record_end, line_at, line_chunks, locate, next_record_end
-from vertexrt.data.formats import Errors, FileSource, Format, byte_pieces
+from vertexrt.data.formats._lines import last_record_end, line_at, line_chunks, locate, next_record_end
+from vertexrt.data.formats.base import Errors, FileSource, Format, byte_pieces
 from vertexrt.errors import DataError
 
 _BATCH = 256
@@ -60,7 +60,9 @@ class CSV(Format):
         header = None if start == 0 and self.columns is None else self.header(source)
         if _csv.field_size_limit() < self.max_record_bytes:
             _csv.field_size_limit(self.max_record_bytes)  # a field is never longer than its record
-        chunks = line_chunks(uri, compression, start, errors, limit=self.max_record_bytes, end=end)
+        chunks = line_chunks(
+            uri, compression, start, errors, limit=self.max_record_bytes, end=end, file_size=source.size
+        )
         for pos, body in chunks:
             for text in _texts(uri, compression, pos, body, errors):
                 rows = filter(None, _csv.reader(io.StringIO(text, newline=""), delimiter=self.delimiter))

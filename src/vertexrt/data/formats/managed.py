@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from vertexrt.data._io import MAX_RECORD_BYTES, compression_for
-from vertexrt.data._lines import line_lists, locate
-from vertexrt.data.formats import Errors, FileSource, Format
+from vertexrt.data.formats._lines import line_lists, locate
+from vertexrt.data.formats.base import Errors, FileSource, Format
 from vertexrt.errors import DataError, PathError, StorageError, VertexrtError
 
 if TYPE_CHECKING:

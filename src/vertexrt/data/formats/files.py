@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from vertexrt.data._io import MAX_RECORD_BYTES, open_at
-from vertexrt.data.formats import Errors, FileSource, Format
+from vertexrt.data.formats.base import Errors, FileSource, Format
 from vertexrt.errors import DataError
 
 EXTENSIONS = frozenset(
@@ -71,7 +71,7 @@ class Files(Format):
             )
             return
         try:  # a Cloud Storage object is read under the storage deadline (a stalled one is a bad record)
-            f = open_at(source.uri, "", 0)
+            f = open_at(source.uri, "", 0, size=source.size)
             try:
                 data = f.read(self.max_record_bytes + 1)
             finally:

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vertexrt.data.bigquery_storage import StreamSource, read_stream
-from vertexrt.data.formats import Errors, Format
+from vertexrt.data.formats.base import Errors, Format
 from vertexrt.data.sources import TableSource
 from vertexrt.errors import DataError
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from vertexrt.data._io import MAX_RECORD_BYTES, READ_SIZE, open_at
-from vertexrt.data.formats import Errors
+from vertexrt.data.formats.base import Errors
 from vertexrt.errors import DataError
 
 LOCAL_READ_SIZE = 1 << 20
@@ -64,6 +64,7 @@ def line_chunks(
     *,
     limit: int = MAX_RECORD_BYTES,
     end: int | None = None,
+    file_size: int | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """``(offset, body)``: whole CSV records from ``start``; ``body`` ends right before a newline (or at EOF).
 
@@ -74,10 +75,12 @@ def line_chunks(
     the first newline from ``start - 1``. A quoted newline there would mislead the next piece's reader,
     so the record crossing ``end`` is checked to end at the first newline from ``end - 1``.
 
+    ``file_size``: the file's size when known (no metadata request to open it).
+
     Raises:
         DataError: a quoted field holding a newline crosses ``end``.
     """
-    f = open_at(uri, compression, start - 1 if start and end is not None else start, end)
+    f = open_at(uri, compression, start - 1 if start and end is not None else start, end, file_size)
     size = min(read_size(uri), limit)
     try:
         pos = start
@@ -193,14 +196,16 @@ def line_lists(
     *,
     limit: int = MAX_RECORD_BYTES,
     end: int | None = None,
+    file_size: int | None = None,
 ) -> Iterator[tuple[int, list[bytes]]]:
     """``(offset of lines[0], lines)``: whole lines (newline removed) from ``start``, without copying the
     read buffers (the split is done on each read as it is; only a line crossing reads is joined).
 
     With ``end`` (a piece of a file): the lines that *begin* in ``[start, end)``; ``start`` may fall inside
-    a line, which then belongs to the piece before.
+    a line, which then belongs to the piece before. ``file_size``: the file's size when known (no metadata
+    request to open it).
     """
-    f = open_at(uri, compression, start - 1 if start and end is not None else start, end)
+    f = open_at(uri, compression, start - 1 if start and end is not None else start, end, file_size)
     size = min(read_size(uri), limit)
     try:
         pos = start
