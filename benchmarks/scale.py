@@ -44,6 +44,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -66,17 +67,19 @@ MIB = 1 << 20
 
 
 class Tags:
-    """The ``operation/rank`` tag of the calling thread (threads it starts inherit it under ThreadWorld)."""
+    """The ``operation/rank`` tag of the calling thread: its rank's current operation (``rank_of()`` names the
+    calling thread's rank, so threads a rank starts are tagged as that rank)."""
 
-    def __init__(self) -> None:
-        self._local = threading.local()
-        self.default = "untagged"
+    def __init__(self, rank_of: Callable[[], int | None]) -> None:
+        self._rank_of = rank_of
+        self._operation: dict[int, str] = {}
 
     def set(self, operation: str, rank: int) -> None:
-        self._local.tag = f"{operation}/{rank}"
+        self._operation[rank] = operation
 
     def get(self) -> str:
-        return getattr(self._local, "tag", self.default)
+        rank = self._rank_of()
+        return "untagged/0" if rank is None else f"{self._operation.get(rank, 'untagged')}/{rank}"
 
 
 @contextmanager
@@ -219,8 +222,7 @@ def worker(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
     barrier = dist.barrier if world_size > 1 else (lambda: None)
-    tags = Tags()
-    tags.default = f"untagged/{rank}"
+    tags = Tags(lambda: rank)
     with counted_storage(endpoint, tags):
         seconds = rank_main(rank, world_size, root, data, files, tags, barrier, NoHooks())
     vote: list[float] = []
@@ -290,8 +292,11 @@ def run_sim(
     import torch  # noqa: F401 - loaded before the fake world replaces torch.distributed
     from threadworld import ThreadWorld
 
+    # every rank's requests go through one gcsfs event loop here: a request waits behind the others
+    os.environ["VERTEXRT_STORAGE_TIMEOUT"] = os.environ["VERTEXRT_STORAGE_LIST_TIMEOUT"] = "3600"
     root = f"gs://{BUCKET}/sim-{world_size}-{uuid.uuid4().hex[:8]}"
-    world, tags, hooks = ThreadWorld(world_size), Tags(), AllocationHooks()
+    world, hooks = ThreadWorld(world_size), AllocationHooks()
+    tags = Tags(world.current_rank)
     stack = threading.stack_size(1 << 20)  # 1,024 threads: small stacks
     tracemalloc.start()
     try:
@@ -317,11 +322,15 @@ def summarise(records: list[Record], operation: str, world_size: int) -> dict[st
     requests = [len(per_rank.get(rank, [])) for rank in range(world_size)]
     sent = [sum(r.bytes for r in per_rank.get(rank, [])) for rank in range(world_size)]
     by_kind = {kind: sum(1 for r in mine if r.kind == kind) for kind in KINDS}
+    probes = sum(
+        1 for r in mine if r.kind == "list" and parse_qs(urlsplit(r.target).query).get("maxResults") == ["1"]
+    )
     reads = by_kind["list"] + by_kind["metadata"] + by_kind["read"]
     writes = by_kind["write"] + by_kind["delete"]
     return {
         "requests": len(mine),
         **by_kind,
+        "probes": probes,
         "per_rank_mean": statistics.fmean(requests),
         "per_rank_max": max(requests),
         "chief": requests[0],
@@ -343,6 +352,7 @@ COLUMNS: list[tuple[str, int, Callable[[dict[str, Any], dict[str, Any], float], 
     ("N", 5, lambda row, s, base: str(row["n"])),
     ("requests", 9, lambda row, s, base: str(s["requests"])),
     *((kind[:5], 6, lambda row, s, base, kind=kind: str(s[kind])) for kind in KINDS),
+    ("probes", 6, lambda row, s, base: str(s["probes"])),
     ("req/rank", 9, lambda row, s, base: f"{s['per_rank_mean']:.1f}"),
     ("chief", 6, lambda row, s, base: str(s["chief"])),
     ("other max", 9, lambda row, s, base: str(s["other_max"])),
@@ -361,7 +371,10 @@ LEGEND = (
     "s @limits: the requests' time at one bucket's starting limits, ~{reads:,} object reads/s (list + "
     "metadata + read) and ~{writes:,} writes/s (write + delete), shared/reference/resilience-and-scale.md "
     "(listing is expensive); sim: threads with a fake torch.distributed and {latency:g} s per request; "
-    "MB alloc/rank: tracemalloc's peak / N; s rank0: rank 0's seconds (not comparable between real and sim)."
+    "MB alloc/rank: tracemalloc's peak / N; s rank0: rank 0's seconds (not comparable between real and sim). "
+    "probes (in list): gcsfs's info() sends a 1-result list beside each metadata GET and cancels it when the "
+    "GET answers: whether it reaches the server is a race, so these vary a little from run to run, as do "
+    "the chief's lists while a sharded commit polls for the shard records."
 )
 
 
@@ -436,9 +449,15 @@ def write_data(endpoint: str, files: int) -> str:
 
 
 def measure(
-    real: list[int], sim: list[int], latency: float, files: int, records_to: str | None = None
-) -> dict[str, Any]:
-    """Every run, its tables printed; with ``records_to``, every request recorded there (JSON lines)."""
+    real: list[int],
+    sim: list[int],
+    latency: float,
+    files: int,
+    json_to: str | None = None,
+    records_to: str | None = None,
+) -> list[dict[str, Any]]:
+    """One row per run; with ``json_to``, the rows so far are written there after each run, and with
+    ``records_to`` every request (JSON lines)."""
     from vertexrt.emulator import GCSServer
 
     rows: list[dict[str, Any]] = []
@@ -455,7 +474,7 @@ def measure(
                     records = proxy.records()
                     _dump(dump, "real", n, records)
                     rows.append(_row("real", n, records, [r["seconds"] for r in results], {}, results[0]))
-                    print(f"[real N={n} done]", file=sys.stderr)
+                    _save(json_to, rows, latency, files)
             with ProxyProcess(("127.0.0.1", server.port), delay=latency, label="sim") as proxy:
                 for n in sim:
                     proxy.clear()
@@ -463,14 +482,26 @@ def measure(
                     records = proxy.records()
                     _dump(dump, "sim", n, records)
                     rows.append(_row("sim", n, records, seconds, alloc, None))
-                    print(f"[sim N={n} done]", file=sys.stderr)
+                    _save(json_to, rows, latency, files)
         finally:
             server.stop()
             if dump is not None:
                 dump.close()
+    return rows
+
+
+def _save(path: str | None, rows: list[dict[str, Any]], latency: float, files: int) -> None:
+    row = rows[-1]
+    print(f"[{row['mode']} N={row['n']} done]", file=sys.stderr)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"rows": rows, "latency": latency, "files": files}, f, indent=1)
+
+
+def report(rows: list[dict[str, Any]], latency: float) -> dict[str, Any]:
+    """The tables of ``rows``, and the vote's (from the real rows)."""
     print_tables(rows, latency)
-    vote = vote_table([r for r in rows if r["mode"] == "real"])
-    return {"rows": rows, "vote": vote, "latency": latency, "files": files}
+    return vote_table([r for r in rows if r["mode"] == "real"])
 
 
 def _dump(dump: Any, mode: str, n: int, records: list[Record]) -> None:
@@ -519,14 +550,20 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.001, help="seconds added per request in the sim")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--records", help="also write every request here (JSON lines)")
+    parser.add_argument("--print", nargs="+", metavar="JSON", help="print the tables of earlier --json runs")
     args = parser.parse_args()
     real = args.real if args.real is not None else ([1, 2] if args.quick else [1, 2, 4, 8])
     sim = args.sim if args.sim is not None else ([1, 2] if args.quick else [64, 256, 1024])
     files = args.files if args.files is not None else (8 if args.quick else FILES)
-    result = measure(real, sim, args.latency, files, args.records)
+    if args.print:
+        runs = [json.load(open(path)) for path in args.print]  # noqa: SIM115 - read whole at once
+        report([row for run in runs for row in run["rows"]], runs[0]["latency"])
+        return
+    rows = measure(real, sim, args.latency, files, args.json, args.records)
+    vote = report(rows, args.latency)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({"rows": rows, "vote": vote, "latency": args.latency, "files": files}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,10 @@ class ThreadWorld:
         """Make the calling thread rank ``rank``."""
         self._local.rank = rank
 
+    def current_rank(self) -> int | None:
+        """The calling thread's rank; None on a thread no rank started."""
+        return getattr(self._local, "rank", None)
+
     def get_rank(self, group: Any = None) -> int:
         return int(self._local.rank)
 
@@ -160,7 +164,7 @@ class ThreadWorld:
         world = self
 
         def start_as_rank(thread: threading.Thread) -> None:
-            rank = getattr(world._local, "rank", None)
+            rank = world.current_rank()
             if rank is not None:
                 run = thread.run
 
