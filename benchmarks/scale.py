@@ -415,7 +415,8 @@ def vote_table(real_rows: list[dict[str, Any]]) -> dict[str, Any]:
         hop, base = points[0][1] / 2, 0.0
     print(f"model: t = {base:.3f} ms + hops x {hop:.3f} ms (fit over the real N)")
     print(
-        f"{'N':>6} {'ring ms':>9} {'tree ms':>9} {'by node ms':>11} {'interval s':>11} {'loop wait ms':>13}"
+        f"{'N':>6} {'ring ms':>9} {'tree ms':>9} {'by node ms':>11} {'interval s':>11} {'loop wait ms':>13} "
+        f"{'first vote ms':>14} {'stop after s':>13}"
     )
     model = {}
     for n in (8, 64, 256, 1024):
@@ -426,11 +427,16 @@ def vote_table(real_rows: list[dict[str, Any]]) -> dict[str, Any]:
         interval = max(VOTE_INTERVAL, LATENCY_FACTOR * ring / 1000)
         # the vote is read a whole interval after it started: the loop waits only for what is left of it
         wait = max(0.0, ring - interval * 1000)
+        first = max(0.0, ring - VOTE_INTERVAL * 1000)  # before its latency is known, paced by the interval
         model[n] = {"ring_ms": ring, "tree_ms": tree, "by_node_ms": by_node, "interval_s": interval}
-        print(f"{n:>6} {ring:>9.2f} {tree:>9.2f} {by_node:>11.2f} {interval:>11.2f} {wait:>13.2f}")
+        print(
+            f"{n:>6} {ring:>9.2f} {tree:>9.2f} {by_node:>11.2f} {interval:>11.2f} {wait:>13.2f} "
+            f"{first:>14.2f} {2 * interval + ring / 1000:>13.2f}"
+        )
     print(
         f"interval: the ring's vote interval at the {LATENCY_FACTOR}x pace; loop wait: what a vote's read "
-        "waits (the all-reduce runs async_op and is read one interval later)"
+        "waits (the all-reduce runs async_op and is read one interval later); first vote: what the first "
+        "read waits, once (its latency is not known yet); stop after: the notice's worst case to the stop"
     )
     return {"measured_ms": measured, "hop_ms": hop, "base_ms": base, "model": model}
 
