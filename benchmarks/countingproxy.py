@@ -229,6 +229,12 @@ class ProxyProcess:
 
 
 if __name__ == "__main__":  # python countingproxy.py HOST PORT DELAY LABEL: serve until terminated
+    try:  # Linux: end with the process that started it, however it ends (PR_SET_PDEATHSIG, SIGKILL)
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, 9)
+    except (OSError, AttributeError):
+        pass
     proxy = CountingProxy((sys.argv[1], int(sys.argv[2])), delay=float(sys.argv[3]))
     print(proxy.listen(sys.argv[4]), flush=True)
     threading.Event().wait()

@@ -133,8 +133,9 @@ def rank_main(
     tags: Tags,
     barrier: Callable[[], None],
     hooks: Any,
+    skip: frozenset[str] = frozenset(),
 ) -> dict[str, float]:
-    """Every operation on this rank, separated by barriers; seconds per operation on this rank."""
+    """Every operation but ``skip`` on this rank, separated by barriers; this rank's seconds per operation."""
     from vertexrt.checkpoint import CheckpointManager
     from vertexrt.data import open_dataset
 
@@ -179,8 +180,10 @@ def rank_main(
 
     timed("first_save", lambda: save(1))
     timed("save", lambda: save(2))
-    timed("restore", restore)
-    timed("count", count)
+    if "restore" not in skip:
+        timed("restore", restore)
+    if "count" not in skip:
+        timed("count", count)
     return seconds
 
 
@@ -287,7 +290,7 @@ def run_real(world_size: int, endpoint: str, data: str, files: int, workdir: str
 
 
 def run_sim(
-    world_size: int, endpoint: str, data: str, files: int
+    world_size: int, endpoint: str, data: str, files: int, skip: frozenset[str]
 ) -> tuple[list[dict[str, float]], dict[str, int]]:
     import torch  # noqa: F401 - loaded before the fake world replaces torch.distributed
     from threadworld import ThreadWorld
@@ -302,7 +305,7 @@ def run_sim(
     try:
         with world.installed(), counted_storage(endpoint, tags):
             seconds = world.run(
-                lambda rank: rank_main(rank, world_size, root, data, files, tags, world.barrier, hooks)
+                lambda rank: rank_main(rank, world_size, root, data, files, tags, world.barrier, hooks, skip)
             )
     finally:
         tracemalloc.stop()
@@ -386,6 +389,8 @@ def print_tables(rows: list[dict[str, Any]], latency: float) -> None:
         print("-" * len(header))
         first: dict[str, float] = {}
         for row in rows:
+            if operation not in row["ops"]:  # skipped in that run (--sim-skip)
+                continue
             stats = {**row["ops"][operation], "operation": operation}
             base = first.setdefault(row["mode"], stats["per_rank_mean"] or 1.0)
             print(" ".join(f"{cell(row, stats, base):>{width}}" for _, width, cell in COLUMNS))
@@ -461,6 +466,7 @@ def measure(
     files: int,
     json_to: str | None = None,
     records_to: str | None = None,
+    sim_skip: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """One row per run; with ``json_to``, the rows so far are written there after each run, and with
     ``records_to`` every request (JSON lines)."""
@@ -484,7 +490,7 @@ def measure(
             with ProxyProcess(("127.0.0.1", server.port), delay=latency, label="sim") as proxy:
                 for n in sim:
                     proxy.clear()
-                    seconds, alloc = run_sim(n, proxy.endpoint, data, files)
+                    seconds, alloc = run_sim(n, proxy.endpoint, data, files, sim_skip)
                     records = proxy.records()
                     _dump(dump, "sim", n, records)
                     rows.append(_row("sim", n, records, seconds, alloc, None))
@@ -527,8 +533,10 @@ def _row(
     return {
         "mode": mode,
         "n": n,
-        "ops": {operation: summarise(records, operation, n) for operation in OPERATIONS},
-        "seconds": {operation: seconds[0][operation] for operation in OPERATIONS},
+        "ops": {
+            operation: summarise(records, operation, n) for operation in OPERATIONS if operation in seconds[0]
+        },
+        "seconds": {operation: seconds[0][operation] for operation in OPERATIONS if operation in seconds[0]},
         "alloc": alloc,
         "vote_ms": statistics.median(vote) * 1000 if vote else None,
         "untagged": sum(
@@ -556,6 +564,7 @@ def main() -> None:
     parser.add_argument("--latency", type=float, default=0.001, help="seconds added per request in the sim")
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--records", help="also write every request here (JSON lines)")
+    parser.add_argument("--sim-skip", default="", help="operations the simulation leaves out, e.g. restore")
     parser.add_argument("--print", nargs="+", metavar="JSON", help="print the tables of earlier --json runs")
     args = parser.parse_args()
     real = args.real if args.real is not None else ([1, 2] if args.quick else [1, 2, 4, 8])
@@ -565,7 +574,9 @@ def main() -> None:
         runs = [json.load(open(path)) for path in args.print]  # noqa: SIM115 - read whole at once
         report([row for run in runs for row in run["rows"]], runs[0]["latency"])
         return
-    rows = measure(real, sim, args.latency, files, args.json, args.records)
+    rows = measure(
+        real, sim, args.latency, files, args.json, args.records, frozenset(args.sim_skip.split(","))
+    )
     vote = report(rows, args.latency)
     if args.json:
         with open(args.json, "w") as f:
