@@ -64,6 +64,7 @@ def line_chunks(
     *,
     limit: int = MAX_RECORD_BYTES,
     end: int | None = None,
+    file_size: int | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """``(offset, body)``: whole CSV records from ``start``; ``body`` ends right before a newline (or at EOF).
 
@@ -77,7 +78,7 @@ def line_chunks(
     Raises:
         DataError: a quoted field holding a newline crosses ``end``.
     """
-    f = open_at(uri, compression, start - 1 if start and end is not None else start, end)
+    f = open_at(uri, compression, start - 1 if start and end is not None else start, end, size=file_size)
     size = min(read_size(uri), limit)
     try:
         pos = start
@@ -193,6 +194,7 @@ def line_lists(
     *,
     limit: int = MAX_RECORD_BYTES,
     end: int | None = None,
+    file_size: int | None = None,
 ) -> Iterator[tuple[int, list[bytes]]]:
     """``(offset of lines[0], lines)``: whole lines (newline removed) from ``start``, without copying the
     read buffers (the split is done on each read as it is; only a line crossing reads is joined).
@@ -200,7 +202,7 @@ def line_lists(
     With ``end`` (a piece of a file): the lines that *begin* in ``[start, end)``; ``start`` may fall inside
     a line, which then belongs to the piece before.
     """
-    f = open_at(uri, compression, start - 1 if start and end is not None else start, end)
+    f = open_at(uri, compression, start - 1 if start and end is not None else start, end, size=file_size)
     size = min(read_size(uri), limit)
     try:
         pos = start

@@ -71,7 +71,7 @@ class Files(Format):
             )
             return
         try:  # a Cloud Storage object is read under the storage deadline (a stalled one is a bad record)
-            f = open_at(source.uri, "", 0)
+            f = open_at(source.uri, "", 0, size=source.size)
             try:
                 data = f.read(self.max_record_bytes + 1)
             finally:

@@ -32,7 +32,15 @@ class JSONL(Format):
         self, source: FileSource, start: int, end: int | None, errors: Errors
     ) -> Iterator[tuple[int, list[bytes]]]:
         compression = compression_for(source.uri, self.compression)
-        lists = line_lists(source.uri, compression, start, errors, limit=self.max_record_bytes, end=end)
+        lists = line_lists(
+            source.uri,
+            compression,
+            start,
+            errors,
+            limit=self.max_record_bytes,
+            end=end,
+            file_size=source.size,
+        )
         for pos, lines in lists:
             raws = list(filter(None, lines))  # whitespace-only lines are dropped when they fail to decode
             if raws:

@@ -82,7 +82,7 @@ class TFRecord(Format):
             start = first_record(source, start, self.max_record_bytes)
         if end is not None and start >= end:
             return
-        f = open_at(uri, compression_for(uri, self.compression), start, end)
+        f = open_at(uri, compression_for(uri, self.compression), start, end, size=source.size)
         unpack_header = _HEADER.unpack_from
         unpack_footer = _FOOTER.unpack_from
         length_crcs: dict[int, int] = {}
@@ -290,7 +290,7 @@ class _Window:
         self.base = at
         self.buf = b""
         self._end = min(self.size, at + TAIL_READ)  # the range the file is open for
-        self._f = open_at(self.uri, "", at, self._end)
+        self._f = open_at(self.uri, "", at, self._end, size=self.size)
 
     def holds(self, upto: int) -> bool:
         """Read on until ``buf`` holds the bytes up to file offset ``upto``; False past the file's end."""
@@ -302,7 +302,7 @@ class _Window:
         if upto > self._end:  # open again for the whole span: one request, not many small ones
             self._f.close()
             self._end = min(self.size, max(upto, have + TAIL_READ))
-            self._f = open_at(self.uri, "", have, self._end)
+            self._f = open_at(self.uri, "", have, self._end, size=self.size)
         parts = [self.buf]
         while have < upto:
             data = self._f.read(max(TAIL_READ, upto - have))
