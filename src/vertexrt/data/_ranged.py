@@ -76,9 +76,6 @@ class RangedReader:
         start: int,
         size: int,
         end: int | None = None,
-        *,
-        ahead: int = READ_AHEAD,
-        range_size: int = RANGE_SIZE,
     ):
         self._fs = fs
         self._path = path
@@ -87,8 +84,8 @@ class RangedReader:
         self._pos = start  # the next byte read() hands out
         self._stop = size if end is None else min(end, size)  # read-ahead ends here
         self._next = start  # the next byte to request
-        self._ahead = ahead
-        self._range_size = range_size
+        self._ahead = READ_AHEAD
+        self._range_size = RANGE_SIZE
         self._fetches: deque[tuple[int, Future[bytes]]] = deque()  # (first byte, fetch), in order
         self._running: set[asyncio.Task[bytes]] = set()  # fetches under way (used on the loop only)
         self._piece = b""  # the range being read
