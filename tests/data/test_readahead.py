@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import threading
 import uuid
 from typing import Any
 
@@ -137,3 +138,15 @@ def test_a_file_costs_one_request_per_range_and_no_metadata_request(
     requests = fault_proxy.handled["pass"] - before
     assert requests == math.ceil(len(data) / RANGE)  # one per range, and no metadata request
     assert sum(len(raws) for _, raws in chunks) == len(read_all(uri))
+
+
+def test_leaving_the_loop_early_leaves_no_thread_and_no_fetch(small_ranges: None, gcs_server: Any) -> None:
+    uri = on_gcs(gcs_server, "a.tfrecord", tfrecord_bytes())
+    fs, _ = paths.filesystem(uri)
+    ds = open_dataset(uri, shuffle=False, rank=0, world_size=1, prefetch=2)
+    threads, idle = threading.active_count(), tasks_on(fs.loop)
+    for index, _ in enumerate(ds):
+        if index == 2:
+            break  # the prefetch thread is reading ahead, its file fetching ranges ahead
+    assert threading.active_count() == threads
+    assert tasks_on(fs.loop) == idle
