@@ -8,6 +8,7 @@ import asyncio
 import math
 import random
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -107,6 +108,16 @@ def tasks_on(loop: Any) -> int:
     return asyncio.run_coroutine_threadsafe(count(), loop).result(30)
 
 
+def requests_arrive(proxy: Any, mode: str, count: int) -> None:
+    """Wait until ``proxy`` has had exactly ``count`` requests in ``mode``: they are sent by gcsfs's I/O
+    thread, and the proxy offers no event to wait on (bounded: fails after 30 s)."""
+    deadline = time.monotonic() + 30
+    while proxy.handled[mode] < count:
+        assert time.monotonic() < deadline, f"requests seen: {dict(proxy.handled)}"
+        time.sleep(0.01)
+    assert proxy.handled[mode] == count
+
+
 @pytest.mark.timeout(60)
 def test_close_ends_the_fetches_in_flight(
     small_ranges: None, gcs_server: Any, fault_proxy: Any, monkeypatch: pytest.MonkeyPatch
@@ -118,6 +129,7 @@ def test_close_ends_the_fetches_in_flight(
     idle = tasks_on(fs.loop)
     fault_proxy.set("stall", match=r"(?i)range: bytes=(?!0-)")  # every range after the first: no answer
     f = open_at(uri, "", 0, size=len(data))
+    requests_arrive(fault_proxy, "stall", _ranged.READ_AHEAD)  # the next ranges are asked for unread
     assert f.read(RANGE) == data[:RANGE]
     f.close()  # returns at once: the stalled fetches ahead are cancelled
     assert tasks_on(fs.loop) == idle

@@ -148,10 +148,9 @@ class RangedReader:
             log.warning("read-ahead of %s did not stop within %g s", self._uri, _SETTLE_SECONDS)
 
     def _take(self) -> bytes:
-        """The next range, waited for; the fetches ahead are topped up first."""
+        """The next range, waited for; the fetches ahead are topped up first (to ``READ_AHEAD`` after it)."""
         self._fill()
         first, fetch = self._fetches.popleft()
-        self._fill()
         try:
             data = fetch.result()
         except OSError as err:
