@@ -3,12 +3,14 @@
 Run: ``.venv/bin/python benchmarks/data.py [--scale 1.0]``. Prints one table: records/s and MB/s (median
 of 5 runs, ``--repeats N`` for N, baseline and vertexrt timed alternately), and the ratio vertexrt /
 baseline. Nothing here is asserted. ``--only rows`` runs the row-path rows (TFRecord, Parquet, JSONL),
-``--columnar-only`` the column-batch rows; ``--clock cpu`` times by process CPU time, steadier when the
-machine is shared.
+``--columnar-only`` the column-batch rows, ``--only gcs`` the GCS-server rows (the tests' fake-gcs-server
+launcher, :class:`vertexrt.emulator.GCSServer`); ``--clock cpu`` times by process CPU time, steadier when
+the machine is shared.
 
 Cases: TFRecord 1 KiB records vs ``tf.data.TFRecordDataset`` (batched 1024, and per record); JSONL vs a
 plain ``orjson.loads`` line loop; CSV vs ``csv.DictReader``; Parquet vs ``ParquetFile.iter_batches``; on
-the GCS server vs a single-stream gcsfs ``cat`` of the same bytes; column batches (``columnar=True`` vs
+the GCS server vs a single-stream gcsfs ``cat`` of the same bytes (the raw transfer: TFRecord 1 MiB and 1 KiB
+records, JSONL) and, for JSONL, vs ``cat`` + ``orjson.loads`` per line; column batches (``columnar=True`` vs
 ``iter_batches`` + ``to_numpy``; ``columnar="arrow"`` vs ``iter_batches`` alone and vs the JSONL row
 path); and the cost of the sharding / cursor bookkeeping (the full reader vs its bare framing loop, and
 with ``state_dict()`` every 1000 records).
