@@ -3,12 +3,14 @@
 Run: ``.venv/bin/python benchmarks/data.py [--scale 1.0]``. Prints one table: records/s and MB/s (median
 of 5 runs, ``--repeats N`` for N, baseline and vertexrt timed alternately), and the ratio vertexrt /
 baseline. Nothing here is asserted. ``--only rows`` runs the row-path rows (TFRecord, Parquet, JSONL),
-``--columnar-only`` the column-batch rows; ``--clock cpu`` times by process CPU time, steadier when the
-machine is shared.
+``--columnar-only`` the column-batch rows, ``--only gcs`` the GCS-server rows (the tests' fake-gcs-server
+launcher, :class:`vertexrt.emulator.GCSServer`); ``--clock cpu`` times by process CPU time, steadier when
+the machine is shared.
 
 Cases: TFRecord 1 KiB records vs ``tf.data.TFRecordDataset`` (batched 1024, and per record); JSONL vs a
 plain ``orjson.loads`` line loop; CSV vs ``csv.DictReader``; Parquet vs ``ParquetFile.iter_batches``; on
-the GCS server vs a single-stream gcsfs ``cat`` of the same bytes; column batches (``columnar=True`` vs
+the GCS server vs a single-stream gcsfs ``cat`` of the same bytes (the raw transfer: TFRecord 1 MiB and 1 KiB
+records, JSONL) and, for JSONL, vs ``cat`` + ``orjson.loads`` per line; column batches (``columnar=True`` vs
 ``iter_batches`` + ``to_numpy``; ``columnar="arrow"`` vs ``iter_batches`` alone and vs the JSONL row
 path); and the cost of the sharding / cursor bookkeeping (the full reader vs its bare framing loop, and
 with ``state_dict()`` every 1000 records).
@@ -36,7 +38,7 @@ from vertexrt.data.formats.base import Errors, FileSource  # noqa: E402
 
 REPEATS = 5
 CLOCK = time.perf_counter  # --clock cpu: time.process_time (this process's CPU, all its threads)
-ROWS: list[tuple[str, str, float, float, float, float, float]] = []
+ROWS: list[tuple[str, str, float, float, float, float, float, float]] = []
 
 
 def row(case: str, baseline: str, base: Callable[[], int], ours: Callable[[], int], nbytes: int) -> None:
@@ -54,7 +56,18 @@ def row(case: str, baseline: str, base: Callable[[], int], ours: Callable[[], in
     assert base_n == n, f"{case}: baseline read {base_n} records, vertexrt {n}"
     base_s, ours_s = statistics.median(base_times), statistics.median(our_times)
     best = min(base_times) / min(our_times)  # best-of ratio: what the code does when the machine lets it
-    ROWS.append((case, baseline, n / base_s, n / ours_s, nbytes / ours_s / 1e6, base_s / ours_s, best))
+    ROWS.append(
+        (
+            case,
+            baseline,
+            n / base_s,
+            n / ours_s,
+            nbytes / base_s / 1e6,
+            nbytes / ours_s / 1e6,
+            base_s / ours_s,
+            best,
+        )
+    )
     print(f"  {case}: {n / ours_s:,.0f} rec/s (baseline {n / base_s:,.0f})", file=sys.stderr, flush=True)
 
 
@@ -332,6 +345,15 @@ def gcs_cases(files: dict[str, tuple[str, int, int]], root: str, scale: float) -
         )
 
         fs, obj = paths.filesystem(uris["jsonl"])
+        n_text = files["jsonl"][1]
+        cat = lambda: len(fs.cat_file(obj)) and n_text  # noqa: E731
+        row(
+            "JSONL, GCS server",
+            "gcsfs cat (1 stream, no parsing)",
+            cat,
+            reader(uris["jsonl"]),
+            files["jsonl"][2],
+        )
 
         def cat_and_parse() -> int:
             n = 0
@@ -435,7 +457,7 @@ def main() -> None:
     )
     parser.add_argument("--columnar-only", action="store_true", help="only the columnar rows")
     parser.add_argument("--repeats", type=int, default=5, help="runs per row (median)")
-    parser.add_argument("--only", choices=("managed", "jsonl", "rows"), help="only this group of rows")
+    parser.add_argument("--only", choices=("managed", "jsonl", "rows", "gcs"), help="only this group of rows")
     parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -454,6 +476,8 @@ def main() -> None:
             managed_case(root, args.scale)
         elif args.only == "jsonl":
             jsonl_cases(files)
+        elif args.only == "gcs":
+            gcs_cases(files, root, args.scale)
         elif args.columnar_only:
             columnar_cases(files)
             jsonl_cases(files)
@@ -471,12 +495,15 @@ def main() -> None:
         f"{args.clock} clock"
     )
     print("ratio = vertexrt rec/s / baseline rec/s (median); best = the same from the best run of each\n")
-    columns = ("case", "baseline", "base rec/s", "vertexrt rec/s", "MB/s", "ratio", "best")
-    header = "{:44} {:34} {:>12} {:>15} {:>8} {:>6} {:>6}".format(*columns)
+    columns = ("case", "baseline", "base rec/s", "vertexrt rec/s", "base MB/s", "MB/s", "ratio", "best")
+    header = "{:44} {:34} {:>12} {:>15} {:>9} {:>8} {:>6} {:>6}".format(*columns)
     print(header)
     print("-" * len(header))
-    for case, baseline, base, ours, mbs, ratio, best in ROWS:
-        print(f"{case:44} {baseline:34} {base:12,.0f} {ours:15,.0f} {mbs:8.1f} {ratio:6.2f} {best:6.2f}")
+    for case, baseline, base, ours, base_mbs, mbs, ratio, best in ROWS:
+        print(
+            f"{case:44} {baseline:34} {base:12,.0f} {ours:15,.0f} {base_mbs:9.1f} {mbs:8.1f} {ratio:6.2f} "
+            f"{best:6.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Positions inside a compressed file are offsets in its *decompressed* stream; a compressed stream cannot be
 seeked, so starting at a position re-reads (and discards) the bytes before it. Cloud Storage objects are
-read by range requests, each under the storage deadline and retry policy of :mod:`vertexrt.retries`
-(``VERTEXRT_STORAGE_TIMEOUT``): a stalled object ends as a :class:`~vertexrt.errors.DataError` naming it.
+read by range requests fetched ahead of the reader (:mod:`vertexrt.data._ranged`), each under the storage
+deadline and retry policy of :mod:`vertexrt.retries` (``VERTEXRT_STORAGE_TIMEOUT``): a stalled object ends
+as a :class:`~vertexrt.errors.DataError` naming it.
 """
 
 from __future__ import annotations
@@ -11,10 +12,12 @@ from __future__ import annotations
 import zlib
 from typing import IO, Any
 
+from vertexrt.data._ranged import RANGE_SIZE, TAIL_READ, RangedReader, storage_call, unreadable
 from vertexrt.errors import DataError
 
-READ_SIZE = 8 << 20
-"""Bytes asked for per read: large sequential reads are what remote stores are fast at."""
+READ_SIZE = RANGE_SIZE
+"""Bytes asked for per read: large sequential reads are what remote stores are fast at (a Cloud Storage
+object is fetched in ranges of this size, so a read of it takes one whole range, without a copy)."""
 
 GCS_BLOCK_SIZE = 16 << 20
 
@@ -124,69 +127,6 @@ class _Inflate(_Wrapped):
         return data
 
 
-class _Ranged:
-    """A Cloud Storage object read from ``start`` by range requests, each under the storage deadline."""
-
-    def __init__(self, fs: Any, path: str, uri: str, start: int, size: int):
-        self._fs = fs
-        self._path = path
-        self._uri = uri
-        self._pos = start
-        self._size = size
-        self.closed = False
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        end = self._size if size < 0 else min(self._size, self._pos + size)
-        if end <= self._pos:
-            return b""
-        try:
-            data: bytes = _storage_call(
-                "reading", self._uri, self._fs.cat_file, self._path, start=self._pos, end=end
-            )
-        except FileNotFoundError:  # opened with its listed size: a file deleted since fails here
-            raise DataError(f"{self._uri}: {NOT_FOUND}") from None
-        self._pos += len(data)
-        return data
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def _storage_call(operation: str, uri: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """:func:`vertexrt.retries.call`, its :class:`~vertexrt.errors.StorageError` raised as a DataError."""
-    from vertexrt import retries
-    from vertexrt.errors import StorageError
-
-    try:
-        return retries.call(operation, uri, fn, *args, **kwargs)
-    except StorageError as err:
-        raise DataError(str(err)) from err
-
-
-def _open_raw(uri: str, start: int, size: int | None = None) -> Any:
-    """The file at ``uri``, positioned at byte ``start``: a local (or mounted) file, or a :class:`_Ranged`
-    Cloud Storage object (of ``size`` bytes when known: no metadata request)."""
-    from vertexrt import paths
-
-    fs, path = paths.filesystem(uri)
-    if paths.is_local_filesystem(fs):
-        raw = paths.open(uri, "rb")
-        if start:
-            raw.seek(start)
-        return raw
-    if size is None:
-        size = int(_storage_call("opening", uri, fs.info, path, kind="list").get("size") or 0)
-    return _Ranged(fs, path, uri, start, size)
-
-
-NOT_FOUND = "file not found (was it deleted or renamed after the dataset was opened?)"
-TAIL_READ = 64 << 10
-"""Bytes asked for per read past the end of a byte range: only the record that crosses the end is wanted."""
-
-
 class _Bounded(_Wrapped):
     """A file whose reads stop at byte ``end``; past it, reads are :data:`TAIL_READ` bytes, so finishing
     the record that crosses ``end`` costs about that record, not a whole large read."""
@@ -203,27 +143,47 @@ class _Bounded(_Wrapped):
         return data
 
 
-def open_at(uri: str, compression: str, start: int, end: int | None = None, size: int | None = None) -> Any:
+def _open_raw(uri: str, start: int, end: int | None, size: int | None) -> Any:
+    """The file at ``uri``, positioned at byte ``start``: a local (or mounted) file, whose reads stop at
+    ``end`` (:class:`_Bounded`), or a Cloud Storage object read ahead by range requests
+    (:class:`~vertexrt.data._ranged.RangedReader`), its size asked for only when ``size`` is None."""
+    from vertexrt import paths
+
+    fs, path = paths.filesystem(uri)
+    if paths.is_local_filesystem(fs):
+        raw = paths.open(uri, "rb")
+        if start:
+            raw.seek(start)
+        return raw if end is None else _Bounded(raw, start, end)
+    if size is None:
+        info = storage_call("opening", uri, fs.info, path, kind="list")
+        size = int(info.get("size") or 0)
+    return RangedReader(fs, path, uri, start, size, end)
+
+
+def open_at(
+    uri: str, compression: str, start: int, end: int | None = None, *, size: int | None = None
+) -> Any:
     """Open ``uri`` for reading, positioned at decompressed offset ``start``; with ``end`` (an
     uncompressed file only), reads are sized to stop at byte ``end`` and go on in small reads past it.
-    ``size``: the file's size when known (its listing's): a Cloud Storage object is opened without a
-    metadata request.
+
+    ``size``: the file's size in bytes when the listing gave it (:class:`~vertexrt.data.formats.FileSource`),
+    so that opening a Cloud Storage object costs no metadata request. A Cloud Storage object's bytes are
+    fetched ahead of the reader (:mod:`vertexrt.data._ranged`): the next ranges arrive while these are
+    parsed.
 
     Example:
         >>> f = open_at("gs://b/part-0.jsonl.gz", "GZIP", 0)
-        >>> piece = open_at("gs://b/big.csv", "", 1 << 30, end=2 << 30)
+        >>> piece = open_at("gs://b/big.csv", "", 1 << 30, end=2 << 30, size=source.size)
     """
-    try:
-        raw = _open_raw(uri, 0 if compression else start, size)
-    except FileNotFoundError:
-        raise DataError(f"{uri}: {NOT_FOUND}")
-    except PermissionError as err:
-        raise DataError(f"{uri}: permission denied ({err}); grant the job's service account read access")
-    if not compression:
-        return raw if end is None else _Bounded(raw, start, end)
-    if end is not None:
-        raw.close()
+    if compression and end is not None:
         raise DataError(f"{uri}: a {compression} file cannot be read by byte range; read it whole")
+    try:
+        raw = _open_raw(uri, 0 if compression else start, end, size)
+    except (FileNotFoundError, PermissionError) as err:
+        raise unreadable(uri, err) from err
+    if not compression:
+        return raw
     stream = _Inflate(raw, 31 if compression == "GZIP" else 15, uri)
     left = start
     while left:

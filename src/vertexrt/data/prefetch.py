@@ -32,9 +32,10 @@ class _Failed:
 class Prefetcher(Generic[T]):
     """Run ``make()`` (an iterator factory) in a daemon thread, ``depth`` items ahead of the consumer.
 
-    The factory is called inside the thread, so files are opened there. ``close()`` (or leaving the
-    ``with`` block, or dropping the iterator) stops the thread; an exception in the thread is re-raised
-    by ``next()`` in the consumer.
+    The factory is called inside the thread, so files are opened there, and closed there: ``close()`` (or
+    leaving the ``with`` block, or dropping the iterator) stops the thread, which closes the iterator
+    (a generator's ``finally`` blocks run) before it ends; an exception in the thread is re-raised by
+    ``next()`` in the consumer.
     """
 
     def __init__(self, make: Callable[[], Iterator[T]], depth: int = 2, name: str = "vertexrt-prefetch"):
@@ -47,9 +48,15 @@ class Prefetcher(Generic[T]):
     def _run(self, make: Callable[[], Iterator[T]]) -> None:
         item: object
         try:
-            for value in make():
-                if not self._put(value):
-                    return
+            items = make()
+            try:
+                for value in items:
+                    if not self._put(value):
+                        return
+            finally:  # what the reader holds (open files, fetches ahead) is released before the thread ends
+                close = getattr(items, "close", None)
+                if close is not None:
+                    close()
             item = _Done()
         except BaseException as err:  # noqa: BLE001 - every failure must reach the consumer
             item = _Failed(err)

@@ -80,7 +80,7 @@ def line_chunks(
     Raises:
         DataError: a quoted field holding a newline crosses ``end``.
     """
-    f = open_at(uri, compression, start - 1 if start and end is not None else start, end, file_size)
+    f = open_at(uri, compression, start - 1 if start and end is not None else start, end, size=file_size)
     size = min(read_size(uri), limit)
     try:
         pos = start
@@ -205,7 +205,7 @@ def line_lists(
     a line, which then belongs to the piece before. ``file_size``: the file's size when known (no metadata
     request to open it).
     """
-    f = open_at(uri, compression, start - 1 if start and end is not None else start, end, file_size)
+    f = open_at(uri, compression, start - 1 if start and end is not None else start, end, size=file_size)
     size = min(read_size(uri), limit)
     try:
         pos = start

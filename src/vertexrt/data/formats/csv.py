@@ -211,7 +211,8 @@ def _texts(uri: str, compression: str, pos: int, body: bytes, errors: Errors) ->
 def _header(source: FileSource, compression: str, delimiter: str, limit: int) -> tuple[str, ...]:
     errors = Errors("raise")
     for end in (None,) if compression else (1, None):  # the first record, else the first non-blank
-        for _, body in line_chunks(source.uri, compression, 0, errors, limit=limit, end=end):
+        lines = line_chunks(source.uri, compression, 0, errors, limit=limit, end=end, file_size=source.size)
+        for _, body in lines:
             text = body.decode("utf-8", errors="replace")
             for row in _csv.reader(io.StringIO(text, newline=""), delimiter=delimiter):
                 if row:

@@ -91,7 +91,7 @@ class TFRecord(Format):
         try:
             base = start  # file offset of buf[0]
             buf = b""
-            want = READ_SIZE
+            want = need = READ_SIZE
             while True:
                 try:
                     data = f.read(want)
@@ -105,62 +105,73 @@ class TFRecord(Format):
                             "whole record; the file was cut short — re-copy it)"
                         )
                     return
-                buf = buf + data if buf else data
-                n = len(buf)
-                pos = first = 0  # first: where out[0] starts in buf
-                last = -1  # the payload length of the record before
-                view = memoryview(buf)
-                out: list[bytes] = []
-                append = out.append
-                stop_at = n if end is None else min(n, end - base)  # records beginning before ``end``
-                while pos < stop_at and pos + 12 <= n:
-                    length, length_crc = unpack_header(buf, pos)
-                    if length_crcs.get(length) != length_crc:
-                        if masked_crc32c(buf[pos : pos + 8]) != length_crc:
+                if buf and len(buf) >= 12 and need <= len(data):
+                    # the record crossing the reads is completed on its own (a copy of that record, not
+                    # of the whole read), then the read is framed where that record ends
+                    segments = [
+                        (b"".join((buf, memoryview(data)[:need])), base, 0),
+                        (data, base + len(buf), need),
+                    ]
+                else:
+                    segments = [(buf + data if buf else data, base, 0)]
+                for buf, base, pos in segments:
+                    n = len(buf)
+                    first = pos  # where out[0] starts in buf
+                    last = -1  # the payload length of the record before
+                    view = memoryview(buf)
+                    out: list[bytes] = []
+                    append = out.append
+                    stop_at = n if end is None else min(n, end - base)  # records beginning before ``end``
+                    while pos < stop_at and pos + 12 <= n:
+                        length, length_crc = unpack_header(buf, pos)
+                        if length_crcs.get(length) != length_crc:
+                            if masked_crc32c(buf[pos : pos + 8]) != length_crc:
+                                if out:
+                                    yield base + first, out
+                                errors.bad(
+                                    f"{uri}: corrupted record at byte {base + pos} (length CRC mismatch); "
+                                    "the rest of the file is skipped"
+                                )
+                                return
+                            if length > limit:
+                                if out:
+                                    yield base + first, out
+                                errors.bad(
+                                    f"{uri}: record at byte {base + pos} claims {length} bytes, over "
+                                    f"max_record_bytes={limit}: a corrupt length (the rest of the file is "
+                                    "skipped), or raise TFRecord(max_record_bytes=...)"
+                                )
+                                return
+                            length_crcs[length] = length_crc
+                        stop = pos + 12 + length
+                        if stop + 4 > n:
+                            break
+                        payload = buf[pos + 12 : stop]
+                        rot = (unpack_footer(buf, stop)[0] - _MASK_DELTA) & 0xFFFFFFFF
+                        if crc32c(payload) == ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF:
+                            append(payload)
+                            if length == last:  # a run of records of one length: framed in C from here
+                                frame = runs.get(length) or runs.setdefault(
+                                    length, struct.Struct(f"<QI{length}sI")
+                                )
+                                count = min(
+                                    (n - stop - 4) // frame.size, -(-(stop_at - stop - 4) // frame.size)
+                                )
+                                stop = _run(view, stop + 4, count, frame, length_crc, out, crc32c) - 4
+                            last = length
+                        else:
                             if out:
                                 yield base + first, out
-                            errors.bad(
-                                f"{uri}: corrupted record at byte {base + pos} (length CRC mismatch); "
-                                "the rest of the file is skipped"
-                            )
-                            return
-                        if length > limit:
-                            if out:
-                                yield base + first, out
-                            errors.bad(
-                                f"{uri}: record at byte {base + pos} claims {length} bytes, over "
-                                f"max_record_bytes={limit}: a corrupt length (the rest of the file is "
-                                "skipped), or raise TFRecord(max_record_bytes=...)"
-                            )
-                            return
-                        length_crcs[length] = length_crc
-                    stop = pos + 12 + length
-                    if stop + 4 > n:
-                        break
-                    payload = buf[pos + 12 : stop]
-                    rot = (unpack_footer(buf, stop)[0] - _MASK_DELTA) & 0xFFFFFFFF
-                    if crc32c(payload) == ((rot >> 17) | (rot << 15)) & 0xFFFFFFFF:
-                        append(payload)
-                        if length == last:  # a run of records of one length: framed in C from here
-                            frame = runs.get(length) or runs.setdefault(
-                                length, struct.Struct(f"<QI{length}sI")
-                            )
-                            count = min((n - stop - 4) // frame.size, -(-(stop_at - stop - 4) // frame.size))
-                            stop = _run(view, stop + 4, count, frame, length_crc, out, crc32c) - 4
-                        last = length
-                    else:
-                        if out:
-                            yield base + first, out
-                            out = []
-                            append = out.append
-                        errors.bad(f"{uri}: corrupted record at byte {base + pos} (payload CRC mismatch)")
-                        first = stop + 4
-                    pos = stop + 4
-                if out:
-                    yield base + first, out
-                if end is not None and base + pos >= end:  # the next record is the next piece's
-                    self._check_cut(source, end, base + pos, errors)
-                    return
+                                out = []
+                                append = out.append
+                            errors.bad(f"{uri}: corrupted record at byte {base + pos} (payload CRC mismatch)")
+                            first = stop + 4
+                        pos = stop + 4
+                    if out:
+                        yield base + first, out
+                    if end is not None and base + pos >= end:  # the next record is the next piece's
+                        self._check_cut(source, end, base + pos, errors)
+                        return
                 buf = buf[pos:]
                 base += pos
                 need = _HEADER.unpack_from(buf)[0] + 16 - len(buf) if len(buf) >= 12 else 12
