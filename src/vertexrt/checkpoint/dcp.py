@@ -336,7 +336,7 @@ def _load_step(site: Site, step: int, target: Any, dist: Any) -> Any:
             restoring.check_files(site.strategy, step, manifest)
     except Exception as exc:  # any error: every rank must reach the agreement, or the others hang in DCP
         problem = exc
-    manifest = collectives.broadcast(manifest, dist)  # None on every rank when rank 0 failed
+    manifest = collectives.broadcast(manifest if problem is None else None, dist)  # None: rank 0 failed
     if manifest is not None:
         try:
             metadata = decode_metadata(manifest[KEY], manifest, name=_manifest_name(site, step))

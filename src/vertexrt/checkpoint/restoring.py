@@ -383,13 +383,15 @@ class _Offers:
         self.failures.append(f"step {step}: {why}")
 
     def next(self) -> list[tuple[Any, ...]]:
+        """One message per rank; a failure to list is every rank's error (no rank is left waiting)."""
+        try:
+            return self._next()
+        except Exception as exc:
+            return self._everyone(("fatal", f"listing the checkpoints in {self.strategy.root} failed: {exc}"))
+
+    def _next(self) -> list[tuple[Any, ...]]:
         if self.steps is None:
-            try:
-                self.steps = self.strategy.committed_steps()[::-1]
-            except Exception as exc:
-                return self._everyone(
-                    ("fatal", f"listing the checkpoints in {self.strategy.root} failed: {exc}")
-                )
+            self.steps = self.strategy.committed_steps()[::-1]
         while True:
             while self.steps:
                 step = self.steps.pop(0)
