@@ -37,6 +37,7 @@ class FaultProxy:
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
         self.handled: Counter[str] = Counter()  # requests per mode applied
+        self.forwarded: list[tuple[str, int]] = []  # (request line, response bytes) of each relayed request
         self._mode = "pass"
         self._count: int | None = None
         self._match: re.Pattern[bytes] | None = None
@@ -145,6 +146,8 @@ class FaultProxy:
                     _reset(client)
                     return
                 client.sendall(response)
+                with self._lock:
+                    self.forwarded.append((request.split(b"\r\n", 1)[0].decode("latin-1"), len(response)))
         except OSError:
             return
         finally:

@@ -30,10 +30,10 @@ def main(rank: int, world: int, port: int, root: str) -> None:
     dist.barrier()
     if rank == 1:
 
-        def unreadable(strategy, step, **kwargs):
+        def unreadable(strategy, step, *args, **kwargs):
             raise OSError(errno.EIO, "Input/output error", f"{strategy.root}/step_{step}/manifest.json")
 
-        restoring.load = unreadable  # type: ignore[assignment]
+        restoring.verify = unreadable  # type: ignore[assignment]
     try:
         mgr.restore()
         report = {"type": None, "message": ""}

@@ -72,15 +72,16 @@ def _errors(out, tag, world):
 @pytest.mark.slow
 @pytest.mark.parametrize("read", ["metadata", "files"])
 def test_a_read_failing_on_one_rank_is_the_same_error_on_every_rank_not_a_hang(tmp_path, read):
-    """The manager's manifest read (before DCP) or DCP's check of the data files fails on rank 1 only: both
-    ranks must raise the same CheckpointError naming the step and rank 1's error (the old code hung until the
-    process group timed out)."""
+    """The manifest read (before DCP) or the check of the data files fails on rank 0, the one rank that
+    reads them (the others are sent its answer): both ranks must raise the same CheckpointError naming the
+    step and rank 0's error (the old code hung until the process group timed out)."""
+    rank = 0
     out = str(tmp_path)
-    _fit(2, out, "saved:ckpt:3", f"failed:ckpt:5:{read}@1")
+    _fit(2, out, "saved:ckpt:3", f"failed:ckpt:5:{read}@{rank}")
     errors = _errors(out, "failed", 2)
     assert errors[0] == errors[1], errors
     assert errors[0].startswith("CheckpointError: restoring checkpoint step 3"), errors
-    assert f"503 reading the {read} on rank 1" in errors[0] and "rank 1" in errors[0], errors
+    assert f"503 reading the {read} on rank {rank}" in errors[0] and f"rank {rank}" in errors[0], errors
 
 
 @pytest.mark.slow
@@ -100,8 +101,9 @@ def test_plain_trainable_parameters_beside_dtensors_are_a_config_error_not_silen
 
 @pytest.mark.slow
 def test_a_step_damaged_on_one_rank_falls_back_to_the_same_older_step_on_every_rank(tmp_path):
-    """Step 5's manifest reads as damaged on rank 1 only: both ranks resume step 3 and train to 4."""
+    """Step 5's manifest reads as damaged on rank 0 (the rank that reads it): both ranks resume step 3 and
+    train to 4."""
     out = str(tmp_path)
-    _fit(2, out, "s3:ckpt:3", "s5:ckpt:5", "fell:ckpt:4:damaged@1")
+    _fit(2, out, "s3:ckpt:3", "s5:ckpt:5", "fell:ckpt:4:damaged@0")
     assert _errors(out, "fell", 2) == ["none", "none"]
     assert [_rank(out, "fell", rank)["step"] for rank in (0, 1)] == [4, 4]  # not 5: step 3 was restored

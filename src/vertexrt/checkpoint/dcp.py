@@ -5,7 +5,8 @@ every rank writes its items into part files of the step (CRC32C per chunk, paral
 part size), and rank 0, once every rank's files are written, commits the step with a manifest that holds
 DCP's metadata as JSON (no pickle is read back from storage). Retention, fallback to an earlier step and the
 step's atomic commit are the :class:`~vertexrt.checkpoint.CheckpointManager`'s, which routes here when the
-state holds DTensors (or the step was written here).
+state holds DTensors (or the step was written here) and which this module sees as a
+:class:`~vertexrt.checkpoint.step_writer.Site`; the write is the step writer's (shards, gather, commit).
 
 Restoring onto another world size or mesh (2 ranks -> 3, 2 -> 1) is DCP's resharding: modules and
 optimizers in the target are loaded through ``get_state_dict`` / ``set_state_dict``.
@@ -23,13 +24,15 @@ import io
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from vertexrt import audit
-from vertexrt.checkpoint import datafiles, restoring, storage
-from vertexrt.checkpoint import manifest as fmt
+from vertexrt.checkpoint import datafiles, restoring, step_writer, storage
+from vertexrt.checkpoint import manifest as manifest_format
+from vertexrt.checkpoint.step_writer import Site
 from vertexrt.distributed import collectives
-from vertexrt.errors import CheckpointCorruptError, CheckpointError, StepExistsError
+from vertexrt.errors import CheckpointCorruptError, CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +75,12 @@ def written_here(manifest: Mapping[str, Any]) -> bool:
     return KEY in manifest
 
 
-def wanted(mgr: Any, target: Any, step: int | None) -> bool:
-    """Whether ``mgr.restore(target, step)`` goes through DCP: DTensors in ``target``, or a DCP step."""
-    if holds_dtensors(target):
-        return True
-    steps = [step] if step is not None else mgr._strategy.committed_steps()[-1:]
-    for s in steps:
-        try:
-            return written_here(restoring.read_manifest(mgr._strategy, s))
-        except CheckpointError:
-            return False
-    return False
+@dataclass(frozen=True)
+class Restored:
+    """What :func:`restore` loaded: the step and the state tree."""
+
+    step: int
+    value: Any
 
 
 # -- state <-> DCP state dict ----------------------------------------------------------------------------
@@ -127,12 +125,12 @@ def _to_state_dict(state: Any, what: str) -> tuple[dict[str, Any], list[tuple[st
     return out, pairs
 
 
-def _check_group(mgr: Any, state: Any, what: str) -> Any:
+def _check_group(site: Site, state: Any, what: str) -> Any:
     dist = collectives.torch_dist()
-    if dist is None and (mgr.world_size > 1 or holds_dtensors(state)):
+    if dist is None and (site.world_size > 1 or holds_dtensors(state)):
         raise CheckpointError(
-            f"{what} of sharded (DTensor) state in {mgr.directory} needs torch.distributed initialised on "
-            f"every rank (world size {mgr.world_size}): call vertexrt.distributed.init_torch() (or "
+            f"{what} of sharded (DTensor) state in {site.directory} needs torch.distributed initialised on "
+            f"every rank (world size {site.world_size}): call vertexrt.distributed.init_torch() (or "
             "torch.distributed.init_process_group) before it, and keep the group until the manager is closed"
         )
     return dist
@@ -141,28 +139,22 @@ def _check_group(mgr: Any, state: Any, what: str) -> Any:
 # -- saving ----------------------------------------------------------------------------------------------
 
 
-def save(mgr: Any, step: int, state: Any, metrics: dict[str, float], overwrite: bool) -> None:
+def save(site: Site, step: int, state: Any, metrics: dict[str, float], overwrite: bool) -> None:
     """Write ``state`` as ``step`` through DCP; every rank calls it; returns once the step is committed."""
     import torch.distributed.checkpoint as tdcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    dist = _check_group(mgr, state, "save()")
-    strategy = mgr._strategy
-    token = collectives.broadcast(storage.new_token(), dist)
-    exists = bool(collectives.all_max([int(mgr.rank == 0 and strategy.is_committed(step))], dist)[0])
-    if exists and not overwrite:
-        raise StepExistsError(
-            f"step {step} is already committed in {mgr.directory}; pass overwrite=True to save(...) to "
-            "replace it atomically, or save a new step number"
-        )
+    dist = _check_group(site, state, "save()")
+    strategy = site.strategy
+    token = step_writer.agree_to_start(site, step, overwrite=overwrite, dist=dist)
     state_dict, _ = _to_state_dict(state, "state")
     audit.event("save", step=step, asynchronous=False)
     write_dir = strategy.begin(step, token)
-    writer = _writer_class()(mgr, step, write_dir, token, metrics, overwrite)
+    writer = _writer_class()(site, step, write_dir, token, metrics, overwrite)
     try:
         tdcp.save(state_dict, storage_writer=writer)
     except BaseException as exc:
-        if mgr.rank == 0:
+        if site.rank == 0:
             try:
                 strategy.abort(write_dir, token)
             except Exception as cleanup:
@@ -170,14 +162,12 @@ def save(mgr: Any, step: int, state: Any, metrics: dict[str, float], overwrite: 
         if isinstance(exc, CheckpointError) or not isinstance(exc, (Exception, CheckpointException)):
             raise
         raise CheckpointError(
-            f"saving sharded step {step} to {mgr.directory} failed: {_unwrap(exc)}. Earlier checkpoints are "
+            f"saving sharded step {step} to {site.directory} failed: {_unwrap(exc)}. Earlier checkpoints are "
             "untouched; check free space / permissions of the checkpoint directory"
         ) from exc
-    if mgr.rank == 0:
-        if writer.replaced is not None:
-            mgr._retire(step, writer.replaced, writer.manifest)
-        mgr._retention.apply(step, token)
-    log.info("sharded checkpoint step %d committed in %s", step, mgr.directory)
+    if site.rank == 0:
+        site.committed(step, token, writer.manifest, writer.replaced)
+    log.info("sharded checkpoint step %d committed in %s", step, site.directory)
     audit.event("commit", step=step)
 
 
@@ -196,19 +186,26 @@ def _writer_class() -> type:
 
     class Writer(StorageWriter):
         def __init__(
-            self, mgr: Any, step: int, write_dir: str, token: str, metrics: dict[str, float], overwrite: bool
+            self,
+            site: Site,
+            step: int,
+            write_dir: str,
+            token: str,
+            metrics: dict[str, float],
+            overwrite: bool,
         ) -> None:
-            self.mgr, self.step, self.write_dir, self.token = mgr, step, write_dir, token
+            self.site, self.step, self.write_dir, self.token = site, step, write_dir, token
             self.metrics, self.overwrite = metrics, overwrite
             self.replaced: bytes | None = None
             self.manifest: dict[str, Any] = {}
+            self.bodies: list[dict[str, Any]] | None = None  # rank 0: every rank's body, gathered
             self.rank = 0
 
         def reset(self, checkpoint_id: Any = None) -> None:
             pass
 
         def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-            self.rank = self.mgr.rank
+            self.rank = self.site.rank
 
         def prepare_local_plan(self, plan: Any) -> Any:
             return plan
@@ -217,7 +214,6 @@ def _writer_class() -> type:
             return plans
 
         def write_data(self, plan: Any, planner: Any) -> Any:
-            strategy = self.mgr._strategy
             buffers: list[Any] = []
             nodes: list[dict[str, Any]] = []
             described: list[dict[str, Any]] = []
@@ -237,20 +233,17 @@ def _writer_class() -> type:
                     )
                 offset = item.index.offset
                 nodes.append({"t": "bytes", "of": [item.index.fqn, None if offset is None else list(offset)]})
-            prefix = f"data.{self.token}.s{self.rank}"
-            files = datafiles.write(
-                strategy.store,
-                self.write_dir,
-                prefix,
-                nodes,
-                buffers,
-                part_size=strategy.part_size_for(sum(len(b) for b in buffers)),
-                threads=strategy.io_threads,
-            )
-            body = {"shard": self.rank, "prefix": prefix, "files": files, "tree": {"t": "list", "v": nodes}}
-            from vertexrt.checkpoint import sharded
-
-            sharded.publish(strategy.store, self.write_dir, self.token, self.rank, body)
+            body, error = None, None
+            try:
+                tree = {"t": "list", "v": nodes}
+                body = step_writer.write_shard(
+                    self.site, self.write_dir, self.token, self.rank, nodes, buffers, tree
+                )
+            except Exception as exc:  # still in the gather below: every rank reaches it
+                error = exc
+            self.bodies = step_writer.gather_shards(self.site, body, error, dist=collectives.torch_dist())
+            if error is not None:
+                raise error
             results = [
                 WriteResult(
                     index=item.index,
@@ -264,24 +257,18 @@ def _writer_class() -> type:
             return future
 
         def finish(self, metadata: Any, results: list[list[Any]]) -> None:
-            from vertexrt.checkpoint import sharded
-
-            mgr, strategy = self.mgr, self.mgr._strategy
-            bodies = sharded.gather(
-                strategy.store,
+            assert self.bodies is not None  # the coordinator is rank 0, which gathered every body
+            metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+            self.manifest, self.replaced = step_writer.commit(
+                self.site,
+                self.step,
                 self.write_dir,
                 self.token,
-                world_size=mgr.world_size,
-                timeout=mgr.commit_timeout,
-            )
-            manifest = fmt.build(
-                step=self.step, world_size=mgr.world_size, sharded=True, shards=bodies, metrics=self.metrics
-            )
-            metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-            manifest[KEY] = encode_metadata(metadata)
-            self.manifest = manifest
-            self.replaced = strategy.commit(
-                self.step, self.write_dir, fmt.dumps(manifest), self.token, self.overwrite
+                bodies=self.bodies,
+                sharded=True,
+                metrics=self.metrics,
+                overwrite=self.overwrite,
+                extra={KEY: encode_metadata(metadata)},
             )
 
         @classmethod
@@ -294,63 +281,71 @@ def _writer_class() -> type:
 # -- restoring -------------------------------------------------------------------------------------------
 
 
-def restore(mgr: Any, target: Any, step: int | None) -> Any:
+def restore(site: Site, target: Any, step: int | None) -> Restored | None:
     """Load the newest valid DCP step (or ``step``) into ``target``; every rank calls it; None if none.
 
+    Rank 0 lists the steps and reads each candidate's manifest once; the others receive it (one broadcast).
     A step that is corrupt on any rank (a checksum, a missing file) is skipped on every rank and the
     previous one is tried (not when ``step`` is given).
     """
     if target is None:
         raise CheckpointError(
-            f"the newest checkpoint in {mgr.directory} holds sharded (DCP) state: restore it into a target, "
+            f"the newest checkpoint in {site.directory} holds sharded (DCP) state: restore it into a target, "
             "e.g. restore({'model': model, 'optim': opt, 'step': 0})"
         )
-    dist = _check_group(mgr, target, "restore()")
-    candidates = [step] if step is not None else list(reversed(mgr._strategy.committed_steps()))
+    dist = _check_group(site, target, "restore()")
+    candidates: list[int] | None = [step] if step is not None else None
+    if candidates is None and site.rank == 0:
+        candidates = list(reversed(site.strategy.committed_steps()))
     candidates = collectives.broadcast(candidates, dist)
     failures = []
-    for s in candidates:
+    for s in candidates or []:
         try:
-            result = _load_step(mgr, s, target, dist)
+            result = _load_step(site, s, target, dist)
         except CheckpointCorruptError as exc:
             if step is not None:
                 raise
-            log.warning("skipping sharded checkpoint step %d in %s, falling back: %s", s, mgr.directory, exc)
+            log.warning("skipping sharded checkpoint step %d in %s, falling back: %s", s, site.directory, exc)
             failures.append(f"step {s}: {exc}")
             continue
-        mgr.restored_step = s
-        mgr._last = (s, None)
         audit.event("resume", step=s)
-        return result
+        return Restored(s, result)
     if failures:
         raise CheckpointError(
-            f"no usable checkpoint in {mgr.directory}: "
+            f"no usable checkpoint in {site.directory}: "
             + "; ".join(failures)
             + ". Delete the directory to start over, or restore(step=...) a specific step"
         )
     return None
 
 
-def _load_step(mgr: Any, step: int, target: Any, dist: Any) -> Any:
+def _load_step(site: Site, step: int, target: Any, dist: Any) -> Any:
     import torch.distributed.checkpoint as tdcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    manifest, problem = None, None
-    try:
-        manifest = restoring.read_manifest(mgr._strategy, step)
-        if not written_here(manifest):
-            raise CheckpointError(
-                f"checkpoint step {step} in {mgr.directory} was not saved with sharded (DTensor) state: "
-                "restore it into a target without DTensors, or restore(step=...) a sharded step"
-            )
-        metadata = decode_metadata(manifest[KEY], manifest, name=_manifest_name(mgr, step))
-        restoring.check_files(mgr._strategy, step, manifest)
+    manifest, metadata, problem = None, None, None
+    try:  # rank 0 reads, parses and checks the manifest once; every rank needs all of DCP's metadata
+        if site.rank == 0:
+            manifest = restoring.read_manifest(site.strategy, step)
+            if not written_here(manifest):
+                raise CheckpointError(
+                    f"checkpoint step {step} in {site.directory} was not saved with sharded (DTensor) state: "
+                    "restore it into a target without DTensors, or restore(step=...) a sharded step"
+                )
+            restoring.check_files(site.strategy, step, manifest)
     except Exception as exc:  # any error: every rank must reach the agreement, or the others hang in DCP
         problem = exc
-    agree(problem, dist, f"reading checkpoint step {step} in {mgr.directory}")
+    manifest = collectives.broadcast(manifest if problem is None else None, dist)  # None: rank 0 failed
+    if manifest is not None:
+        try:
+            metadata = decode_metadata(manifest[KEY], manifest, name=_manifest_name(site, step))
+        except Exception as exc:
+            problem = exc
+    agree(problem, dist, f"reading checkpoint step {step} in {site.directory}")
+    assert manifest is not None
     state_dict, pairs = _to_state_dict(target, "target")
-    reader = _reader_class()(mgr, step, manifest, metadata)
+    reader = _reader_class()(site, step, manifest, metadata)
     try:
         tdcp.load(state_dict, storage_reader=reader, planner=_safe_planner())
     except CheckpointException as exc:
@@ -358,7 +353,7 @@ def _load_step(mgr: Any, step: int, target: Any, dist: Any) -> Any:
         if errors and all(isinstance(e, CheckpointCorruptError) for e in errors):
             raise CheckpointCorruptError("; ".join(str(e) for e in errors)) from exc
         raise CheckpointError(
-            f"restoring sharded step {step} from {mgr.directory} failed: {_unwrap(exc)}"
+            f"restoring sharded step {step} from {site.directory} failed: {_unwrap(exc)}"
         ) from exc
     result = dict(state_dict)
     for mkey, module, okey, opt in pairs:
@@ -383,7 +378,7 @@ def agree(error: BaseException | None, dist: Any, what: str) -> None:
     Example:
         >>> agree(None, None, "reading checkpoint step 3")  # no failure anywhere: returns
     """
-    mine = None if error is None else (isinstance(error, CheckpointCorruptError), _describe(error))
+    mine = None if error is None else (isinstance(error, CheckpointCorruptError), step_writer.describe(error))
     outcomes = collectives.all_gather(mine, dist)
     failed = [(rank, outcome) for rank, outcome in enumerate(outcomes) if outcome is not None]
     if not failed:
@@ -396,14 +391,8 @@ def agree(error: BaseException | None, dist: Any, what: str) -> None:
     raise CheckpointError(message) from error
 
 
-def _describe(error: BaseException) -> str:
-    """``error`` in one bounded line: its type (when not a CheckpointError) and message."""
-    text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-    return text[:1000]
-
-
-def _manifest_name(mgr: Any, step: int) -> str:
-    return str(mgr._strategy.store.join(mgr._strategy.step_dir(step), storage.MANIFEST))
+def _manifest_name(site: Site, step: int) -> str:
+    return str(site.strategy.store.join(site.strategy.step_dir(step), storage.MANIFEST))
 
 
 def _safe_planner() -> Any:
@@ -431,8 +420,8 @@ def _reader_class() -> type:
     from torch.futures import Future
 
     class Reader(StorageReader):
-        def __init__(self, mgr: Any, step: int, manifest: dict[str, Any], metadata: Any) -> None:
-            self.mgr, self.step, self.manifest, self.metadata = mgr, step, manifest, metadata
+        def __init__(self, site: Site, step: int, manifest: dict[str, Any], metadata: Any) -> None:
+            self.site, self.step, self.manifest, self.metadata = site, step, manifest, metadata
 
         def reset(self, checkpoint_id: Any = None) -> None:
             pass
@@ -452,8 +441,8 @@ def _reader_class() -> type:
             return plans
 
         def read_data(self, plan: Any, planner: Any) -> Any:
-            strategy = self.mgr._strategy
-            name = _manifest_name(self.mgr, self.step)
+            strategy = self.site.strategy
+            name = _manifest_name(self.site, self.step)
             bodies = {b["shard"]: b for b in self.manifest["shards"]}
             wanted: dict[int, dict[int, Any]] = {}
             for req in plan.items:
@@ -556,7 +545,11 @@ def decode_metadata(value: Any, manifest: dict[str, Any], *, name: str) -> Any:
     )
 
     def dims(v: Any) -> list[int]:
-        if not isinstance(v, list) or len(v) > fmt.MAX_DIMS or not all(_int(d) and d >= 0 for d in v):
+        if (
+            not isinstance(v, list)
+            or len(v) > manifest_format.MAX_DIMS
+            or not all(_int(d) and d >= 0 for d in v)
+        ):
             raise ValueError(f"dimensions {str(v)[:80]}")
         return v
 

@@ -24,8 +24,8 @@ from types import TracebackType
 from typing import Any
 
 from vertexrt import audit
-from vertexrt.checkpoint import datafiles, dcp, restoring, serialization, sharded, storage
-from vertexrt.checkpoint import manifest as fmt
+from vertexrt.checkpoint import dcp, restoring, serialization, step_writer, storage
+from vertexrt.checkpoint import manifest as manifest_format
 from vertexrt.checkpoint.decision import SaveDecision
 from vertexrt.checkpoint.manifest import FORMAT, FORMAT_VERSION
 from vertexrt.checkpoint.policies import (
@@ -45,9 +45,6 @@ from vertexrt.phases import long_phase
 log = logging.getLogger(__name__)
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointManager", "StepExistsError"]
-
-#: Rounds of re-listing when a restore finds no usable step while writers change the directory.
-_RESTORE_ROUNDS = 3
 
 
 class CheckpointManager:
@@ -101,6 +98,10 @@ class CheckpointManager:
             raise ConfigError(f"CheckpointManager: rank {self.rank} is outside world_size {self.world_size}")
         self._strategy = storage.strategy_for(self.directory, stale_after)
         self._retention = Retention(self._strategy, self.keep_policy, self._manifest)
+        self._site = step_writer.Site(
+            self.directory, self._strategy, self.rank, self.world_size, committed=self._committed
+        )
+        self._writer_group: Any = None  # the gloo group of the writer thread's collectives (sharded saves)
         self._decide_policy = SaveDecision(self.save_policy, self.world_size)
         self._start = time.time()
         self._last: tuple[int | None, float | None] = (None, None)  # (step, time) of the previous save
@@ -169,17 +170,36 @@ class CheckpointManager:
                 checkpoint, or the target does not match.
         """
         self.wait()
-        if dcp.wanted(self, target, step):  # sharded (DTensor) state: DCP reshards onto this world
-            return dcp.restore(self, target, step)
-        verify = lambda s: restoring.load(
-            self._strategy,
-            s,
-            rank=self.rank,
-            world_size=self.world_size,
-            shard=shard,
-            allow_pickle=self.allow_pickle,
-        )
-        loaded = verify(step) if step is not None else self._agreed_newest(verify)
+        if dcp.holds_dtensors(target):  # sharded (DTensor) state: DCP reshards onto this world
+            return self._restored_through_dcp(target, step)
+        loaded: restoring.Loaded | None
+        if step is not None:
+            # read once, for the routing and the load
+            manifest = restoring.read_manifest(self._strategy, step)
+            if dcp.written_here(manifest):
+                return self._restored_through_dcp(target, step)
+            loaded = restoring.load(
+                self._strategy,
+                step,
+                rank=self.rank,
+                world_size=self.world_size,
+                shard=shard,
+                allow_pickle=self.allow_pickle,
+                manifest=manifest,
+            )
+        else:
+            found = restoring.newest(
+                self._strategy,
+                rank=self.rank,
+                world_size=self.world_size,
+                shard=shard,
+                allow_pickle=self.allow_pickle,
+                dist=collectives.torch_dist() if self.world_size > 1 else None,
+                through_dcp=dcp.written_here,
+            )
+            if isinstance(found, restoring.DcpStep):  # the newest usable step was written through DCP
+                return self._restored_through_dcp(target, None)
+            loaded = found
         if loaded is None:
             return None
         result = restoring.decode(loaded, target, device)
@@ -227,7 +247,7 @@ class CheckpointManager:
     ) -> bool:
         self.wait()
         if dcp.holds_dtensors(state):  # sharded (DTensor) state: every rank writes its shards via DCP
-            dcp.save(self, step, state, _read_metrics(_metrics(metrics)), overwrite)
+            dcp.save(self._site, step, state, _read_metrics(_metrics(metrics)), overwrite)
             self._last = (step, time.time())
             return True
         dist = collectives.torch_dist()
@@ -236,17 +256,20 @@ class CheckpointManager:
                 "save(shard=...) across processes needs torch.distributed initialised (e.g. "
                 "vertexrt.distributed.init_torch()) so the ranks agree on one commit"
             )
-        token = storage.new_token()
-        if shard is not None:
-            token = collectives.broadcast(token, dist)
         if shard is None and self.rank != 0:
             self._last = (step, time.time())
             return True
-        if not overwrite and self._strategy.is_committed(step):
+        if shard is not None:  # rank 0 says whether the step exists, with the token (one broadcast)
+            token = step_writer.agree_to_start(self._site, step, overwrite=overwrite, dist=dist)
+            if dist is not None and self.world_size > 1 and self._writer_group is None:
+                self._writer_group = collectives.thread_group(dist, self.commit_timeout)  # every rank, here
+        elif not overwrite and self._strategy.is_committed(step):
             raise StepExistsError(
                 f"step {step} is already committed in {self.directory}; pass overwrite=True to save(...) to "
                 "replace it atomically, or save a new step number"
             )
+        else:
+            token = storage.new_token()
         tree, leaves = serialization.encode(state, allow_pickle=self.allow_pickle)
         nodes = [node for node, _ in leaves]
         clean_metrics = _metrics(metrics)
@@ -296,6 +319,12 @@ class CheckpointManager:
             if self._subscription is not None:
                 self._subscription.close()
                 self._subscription = None
+            if self._writer_group is not None:  # destroyed now: one left to interpreter teardown can abort
+                group, self._writer_group = self._writer_group, None
+                try:
+                    collectives.torch_dist().destroy_process_group(group)  # type: ignore[union-attr]
+                except Exception as exc:  # the default group (and with it this one) is gone already
+                    log.debug("destroying the checkpoint writer's group: %s", exc)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -358,27 +387,13 @@ class CheckpointManager:
         decision = self._decide_policy(step, last, rank=self.rank, dist=collectives.torch_dist)
         return force or decision
 
-    def _agreed_newest(self, verify: Any) -> restoring.Loaded | None:
-        dist = collectives.torch_dist() if self.world_size > 1 else None
-        failures: list[str] = []
-        tried: list[int] | None = None
-        for _ in range(_RESTORE_ROUNDS):
-            listed = list(reversed(self._strategy.committed_steps()))
-            candidates = collectives.broadcast(listed, dist)
-            if candidates == tried:
-                break
-            loaded, failed = restoring.agree(candidates, verify, dist, self.directory)
-            if loaded is not None:
-                return loaded
-            failures = failed
-            if not failures:
-                return None
-            tried = candidates  # a writer may have changed the directory meanwhile: look again
-        raise CheckpointError(
-            f"no usable checkpoint in {self.directory}: "
-            + "; ".join(failures)
-            + ". Delete the directory to start over, or restore(step=...) a specific step"
-        )
+    def _restored_through_dcp(self, target: Any, step: int | None) -> Any:
+        restored = dcp.restore(self._site, target, step)
+        if restored is None:
+            return None
+        self.restored_step = restored.step
+        self._last = (restored.step, None)
+        return restored.value
 
     def _snapshot(self, encoded: list[Any]) -> list[Any]:
         """Private host copies of the leaves (GPU leaves: enqueued, see ``staging``), in one reused arena."""
@@ -402,52 +417,22 @@ class CheckpointManager:
         shard: int | None,
         overwrite: bool,
     ) -> None:
-        strategy = self._strategy
-        metrics = _read_metrics(metrics)  # device metrics: read here, after the state's copies
-        write_dir = strategy.begin(step, token)
-        prefix = f"data.{token}.s{0 if shard is None else shard}"
-        try:
-            files = datafiles.write(
-                strategy.store,
-                write_dir,
-                prefix,
-                nodes,
-                buffers,
-                part_size=strategy.part_size_for(sum(len(b) for b in buffers)),
-                threads=strategy.io_threads,
-            )
-            body = {"shard": shard or 0, "prefix": prefix, "files": files, "tree": tree}
-            if shard is None:
-                bodies = [body]
-            else:
-                sharded.publish(strategy.store, write_dir, token, shard, body)
-                if self.rank != 0:
-                    return
-                bodies = sharded.gather(
-                    strategy.store, write_dir, token, world_size=self.world_size, timeout=self.commit_timeout
-                )
-            manifest = fmt.build(
-                step=step,
-                world_size=self.world_size,
-                sharded=shard is not None,
-                shards=bodies,
-                metrics=metrics,
-            )
-            replaced = strategy.commit(step, write_dir, fmt.dumps(manifest), token, overwrite)
-        except BaseException as exc:
-            if self.rank == 0 or shard is None:
-                _quietly(strategy.abort, write_dir, token)
-            elif shard is not None:
-                _quietly(sharded.fail, strategy.store, write_dir, token, shard, exc)
-            if isinstance(exc, CheckpointError) or not isinstance(exc, Exception):
-                raise
-            raise CheckpointError(
-                f"saving step {step} to {self.directory} failed: {exc}. Earlier checkpoints are untouched; "
-                "check free space / permissions of the checkpoint directory"
-            ) from exc
-        if replaced is not None:
-            self._retire(step, replaced, manifest)
-        self._retention.infos[step] = CheckpointInfo(step, manifest["time"], metrics)
+        together = shard is not None and self.world_size > 1
+        written = step_writer.write(
+            self._site,
+            step,
+            token,
+            shard=shard,
+            nodes=nodes,
+            buffers=buffers,
+            tree=tree,
+            metrics=_read_metrics(metrics),  # device metrics: read here, after the state's copies
+            overwrite=overwrite,
+            dist=collectives.torch_dist() if together else None,
+            group=self._writer_group if together else None,
+        )
+        if written is None:  # a rank other than 0: its shard is in the committed step
+            return
         if self._committed_once:
             log.debug("checkpoint step %d committed in %s", step, self.directory)
         else:
@@ -456,20 +441,25 @@ class CheckpointManager:
                 "checkpoint step %d committed in %s (later commits are logged at DEBUG)", step, self.directory
             )
         audit.event("commit", step=step)
-        if self.rank == 0:
-            if self._deleter is None:
-                self._deleter = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-retention")
-            self._deleting = self._deleter.submit(self._retention.apply, step, token)
+
+    def _committed(self, step: int, token: str, manifest: dict[str, Any], replaced: bytes | None) -> None:
+        """Rank 0, after a commit: retire a replaced version's files, apply retention in the background."""
+        if replaced is not None:
+            self._retire(step, replaced, manifest)
+        self._retention.infos[step] = CheckpointInfo(step, manifest["time"], manifest["metrics"])
+        if self._deleter is None:
+            self._deleter = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-retention")
+        self._deleting = self._deleter.submit(self._retention.apply, step, token)
 
     def _retire(self, step: int, replaced: bytes, manifest: dict[str, Any]) -> None:
         """Delete the files of the version an overwrite replaced (the new manifest names none of them)."""
         name = self._strategy.store.join(self._strategy.step_dir(step), storage.MANIFEST)
         try:
-            old = fmt.referenced(fmt.parse(replaced, name=name))
+            old = manifest_format.referenced(manifest_format.parse(replaced, name=name))
         except CheckpointError as exc:
             log.warning("the replaced manifest of step %d was unreadable (%s): its files stay", step, exc)
             return
-        self._strategy.remove_files(step, sorted(old - fmt.referenced(manifest)))
+        self._strategy.remove_files(step, sorted(old - manifest_format.referenced(manifest)))
 
     def _join_deleter(self) -> None:
         deleting, self._deleting = self._deleting, None

@@ -1,8 +1,10 @@
 """Reading a committed step: validate its manifest, check the world, read and checksum its bytes, decode.
 
-Across ranks, :func:`agree` picks one step for everybody: each rank verifies candidates (newest first) until
-one is valid for it, and all-reduces ``(newest valid index, fatal error)`` until every rank holds the same
-step. No rank loads anything before the ranks agree.
+Across ranks, :func:`newest` picks one step for everybody with O(1) storage requests per rank other than 0:
+rank 0 lists the steps, reads and parses each candidate's manifest once and checks its files (one listing);
+each rank receives only its own shard's body (one scatter), reads and checksums its bytes, and one all-reduce
+says whether every rank holds the step; if not, rank 0 offers the previous one. No rank loads anything
+before the ranks agree.
 
 Example:
     >>> loaded = load(strategy, 1200, rank=0, world_size=1, shard=None, allow_pickle=False)
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vertexrt.checkpoint import datafiles, serialization
-from vertexrt.checkpoint import manifest as fmt
+from vertexrt.checkpoint import manifest as manifest_format
 from vertexrt.checkpoint.rng import RngState
 from vertexrt.checkpoint.storage import MANIFEST, Strategy
 from vertexrt.distributed import collectives
@@ -26,15 +28,27 @@ from vertexrt.errors import CheckpointCorruptError, CheckpointError
 log = logging.getLogger(__name__)
 
 
+#: Rounds of re-listing when a restore finds no usable step while writers change the directory.
+_RESTORE_ROUNDS = 3
+
+
 @dataclass
 class Loaded:
-    """One verified shard of a step: its parsed manifest and body, leaf nodes and checked leaf bytes."""
+    """One verified shard of a step: its header (the manifest without shards) and body, leaf nodes and
+    checked leaf bytes."""
 
     step: int
-    manifest: dict[str, Any]
+    header: dict[str, Any]
     body: dict[str, Any]
     nodes: list[dict[str, Any]]
     buffers: list[Any]
+
+
+@dataclass(frozen=True)
+class DcpStep:
+    """The newest usable step was written through DCP (:mod:`vertexrt.checkpoint.dcp` restores it)."""
+
+    step: int
 
 
 def read_manifest(strategy: Strategy, step: int) -> dict[str, Any]:
@@ -44,40 +58,74 @@ def read_manifest(strategy: Strategy, step: int) -> dict[str, Any]:
         data = strategy.read_manifest(step)
     except FileNotFoundError:
         raise CheckpointCorruptError(f"manifest {name} disappeared (deleted by another writer?)", file=name)
-    return fmt.parse(data, name=name, step=step)
+    return manifest_format.parse(data, name=name, step=step)
 
 
 def load(
-    strategy: Strategy, step: int, *, rank: int, world_size: int, shard: int | None, allow_pickle: bool
+    strategy: Strategy,
+    step: int,
+    *,
+    rank: int,
+    world_size: int,
+    shard: int | None,
+    allow_pickle: bool,
+    manifest: dict[str, Any] | None = None,
 ) -> Loaded:
-    """Read and verify ``step``'s shard for this rank (all of a replicated step).
+    """Read and verify ``step``'s shard for this rank (all of a replicated step); ``manifest``: the step's
+    parsed manifest when the caller has read it already (it is read here otherwise).
 
     Raises:
         CheckpointCorruptError: anything damaged or missing (the caller may fall back).
         CheckpointError: the world size differs from the one that wrote a sharded step, a newer format,
             or pickled leaves without ``allow_pickle``.
     """
-    manifest = read_manifest(strategy, step)
-    name = strategy.store.join(strategy.step_dir(step), MANIFEST)
+    if manifest is None:
+        manifest = read_manifest(strategy, step)
+    body = body_for(strategy, step, manifest, world_size=world_size, shard=rank if shard is None else shard)
+    check_files(strategy, step, manifest)
+    return verify(strategy, step, header_of(manifest), body, allow_pickle=allow_pickle)
+
+
+def header_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A parsed manifest without its per-shard bodies (what every rank needs to know of a step)."""
+    return {key: value for key, value in manifest.items() if key != "shards"}
+
+
+def body_for(strategy: Strategy, step: int, manifest: dict[str, Any], *, world_size: int, shard: int) -> Any:
+    """The body of a parsed manifest that ``shard`` restores (the one body of a replicated step).
+
+    Raises:
+        CheckpointError: a sharded step written by another number of ranks, or without ``shard``.
+    """
     bodies = manifest["shards"]
-    if manifest["sharded"]:
-        if manifest["world_size"] != world_size:
-            raise CheckpointError(
-                f"checkpoint step {step} in {strategy.root} was written by {manifest['world_size']} ranks as "
-                f"per-rank shards, but this job has {world_size}: resume with {manifest['world_size']} "
-                f"replicas (resharding is not supported), or restore into a manager made with "
-                f"world_size={manifest['world_size']}"
-            )
-        wanted = rank if shard is None else shard
-        chosen = [b for b in bodies if b["shard"] == wanted]
-        if not chosen:
-            raise CheckpointError(
-                f"checkpoint step {step} in {strategy.root} has shards "
-                f"{sorted(b['shard'] for b in bodies)}, not {wanted}: restore(shard=...) one of them"
-            )
-        body = chosen[0]
-    else:
-        body = bodies[0]
+    if not manifest["sharded"]:
+        return bodies[0]
+    if manifest["world_size"] != world_size:
+        raise CheckpointError(
+            f"checkpoint step {step} in {strategy.root} was written by {manifest['world_size']} ranks as "
+            f"per-rank shards, but this job has {world_size}: resume with {manifest['world_size']} "
+            f"replicas (resharding is not supported), or restore into a manager made with "
+            f"world_size={manifest['world_size']}"
+        )
+    chosen = [b for b in bodies if b["shard"] == shard]
+    if not chosen:
+        raise CheckpointError(
+            f"checkpoint step {step} in {strategy.root} has shards "
+            f"{sorted(b['shard'] for b in bodies)}, not {shard}: restore(shard=...) one of them"
+        )
+    return chosen[0]
+
+
+def verify(
+    strategy: Strategy, step: int, header: dict[str, Any], body: dict[str, Any], *, allow_pickle: bool
+) -> Loaded:
+    """Read and checksum the bytes of one validated body of ``step`` (its files were checked present).
+
+    Raises:
+        CheckpointCorruptError: a leaf or data file damaged or missing.
+        CheckpointError: pickled leaves without ``allow_pickle``.
+    """
+    name = strategy.store.join(strategy.step_dir(step), MANIFEST)
     nodes = serialization.leaf_nodes(body["tree"])
     for node in nodes:
         if node["t"] == "pickle" and not allow_pickle:
@@ -85,8 +133,7 @@ def load(
                 f"checkpoint step {step} holds a pickled {node.get('type')}; pass allow_pickle=True to "
                 "the CheckpointManager if you trust this checkpoint"
             )
-        fmt.check_leaf(node, name)
-    check_files(strategy, step, manifest)
+        manifest_format.check_leaf(node, name)
     buffers = datafiles.read(
         strategy.store,
         strategy.step_dir(step),
@@ -96,14 +143,14 @@ def load(
         threads=strategy.io_threads,
         use_mmap=strategy.mmap_reads,
     )
-    return Loaded(step, manifest, body, nodes, buffers)
+    return Loaded(step, header, body, nodes, buffers)
 
 
 def check_files(strategy: Strategy, step: int, manifest: dict[str, Any]) -> None:
     """Every data file the manifest names is present, a plain file, of the size it says."""
     directory = strategy.step_dir(step)
     present = {e.name: e for e in strategy.store.listdir(directory)}
-    for name, size in fmt.referenced_sizes(manifest).items():
+    for name, size in manifest_format.referenced_sizes(manifest).items():
         entry = present.get(name)
         if entry is None or entry.is_dir or entry.size != size:
             path = strategy.store.join(directory, name)
@@ -251,54 +298,137 @@ def _device(device: Any, what: str) -> Any:
     return where
 
 
-def agree(
-    candidates: list[int], verify: Callable[[int], Loaded], dist: Any | None, root: str
-) -> tuple[Loaded | None, list[str]]:
-    """The newest candidate every rank verified (None if there is none) and this rank's failures.
+def newest(
+    strategy: Strategy,
+    *,
+    rank: int,
+    world_size: int,
+    shard: int | None,
+    allow_pickle: bool,
+    dist: Any | None,
+    through_dcp: Callable[[dict[str, Any]], bool],
+) -> Loaded | DcpStep | None:
+    """The newest step that every rank verified (None when there is no step); every rank calls it together.
 
-    ``candidates`` (newest first) must be the same list on every rank; all ranks call this together.
+    Rank 0 (each rank by itself without ``dist``) lists the steps and offers them newest first, each with its
+    manifest parsed once and its files checked (:class:`_Offers`); a rank receives only its own body. A step
+    damaged on any rank is skipped on every rank; ``through_dcp(manifest)`` steps are left to DCP.
+
+    Raises:
+        CheckpointError: on every rank, when no step is usable or one rank cannot read at all.
     """
-    failures: list[str] = []
-    found: Loaded | None = None
-    index = 0
+    wanted = collectives.gather(rank if shard is None else shard, dist)  # rank 0: each rank's shard
+    offers = _Offers(strategy, world_size, wanted, through_dcp) if wanted is not None else None
     while True:
-        local, error = len(candidates), None
-        for i in range(index, len(candidates)):
-            if found is not None and found.step == candidates[i]:
-                local = i
-                break
-            try:
-                found = verify(candidates[i])
-            except CheckpointCorruptError as exc:
-                log.warning(
-                    "skipping checkpoint step %d in %s and falling back to an earlier step: %s",
-                    candidates[i],
-                    root,
-                    exc,
+        offer = collectives.scatter(offers.next() if offers is not None else None, dist)
+        kind = offer[0]
+        if kind == "none":
+            if offer[1]:
+                raise CheckpointError(
+                    f"no usable checkpoint in {strategy.root}: {offer[1]}. Delete the directory to start "
+                    "over, or restore(step=...) a specific step"
                 )
-                failures.append(f"step {candidates[i]}: {exc}")
-                continue
-            except CheckpointError as exc:
-                local, error = i, exc
-                break
-            except Exception as exc:  # e.g. EIO on a FUSE mount: stop every rank, do not leave them waiting
-                local, error = i, _unreadable(candidates[i], root, exc)
-                break
-            local = i
-            break
-        newest, neg_oldest, fatal = collectives.all_max([local, -local, 1 if error else 0], dist)
+            return None
+        if kind == "fatal":
+            raise CheckpointError(offer[1])
+        if kind == "dcp":
+            return DcpStep(offer[1])
+        _, step, header, body = offer
+        loaded, error, damage = None, None, ""
+        try:
+            loaded = verify(strategy, step, header, body, allow_pickle=allow_pickle)
+        except CheckpointCorruptError as exc:
+            log.warning("skipping checkpoint step %d in %s and falling back: %s", step, strategy.root, exc)
+            damage = str(exc)
+        except CheckpointError as exc:
+            error = exc
+        except Exception as exc:  # e.g. EIO on a FUSE mount: stop every rank, do not leave them waiting
+            error = _unreadable(step, strategy.root, exc)
+        damaged, fatal = collectives.all_max([int(bool(damage)), int(error is not None)], dist)
         if fatal:
             if error is not None:
                 raise error
             raise CheckpointError(
-                f"restoring from {root} failed on another rank (see its log); every rank stops here"
+                f"restoring from {strategy.root} failed on another rank (see its log); every rank stops here"
             )
-        if newest == -neg_oldest:
-            if newest >= len(candidates):
-                return None, failures
-            assert found is not None and found.step == candidates[newest]
-            return found, failures
-        index = newest
+        if not damaged:
+            assert loaded is not None
+            return loaded
+        if offers is not None:
+            offers.failed(step, damage or "damaged on another rank (see its log)")
+
+
+class _Offers:
+    """Rank 0's side of :func:`newest`: the next candidate step, as one message per rank."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        world_size: int,
+        wanted: list[int],
+        through_dcp: Callable[[dict[str, Any]], bool],
+    ) -> None:
+        self.strategy, self.world_size, self.wanted, self.through_dcp = (
+            strategy,
+            world_size,
+            wanted,
+            through_dcp,
+        )
+        self.steps: list[int] | None = None  # listed at the first offer (a failure is then every rank's)
+        self.tried: set[int] = set()
+        self.failures: list[str] = []
+        self.rounds = 1
+
+    def failed(self, step: int, why: str) -> None:
+        self.failures.append(f"step {step}: {why}")
+
+    def next(self) -> list[tuple[Any, ...]]:
+        """One message per rank; a failure to list is every rank's error (no rank is left waiting)."""
+        try:
+            return self._next()
+        except Exception as exc:
+            return self._everyone(("fatal", f"listing the checkpoints in {self.strategy.root} failed: {exc}"))
+
+    def _next(self) -> list[tuple[Any, ...]]:
+        if self.steps is None:
+            self.steps = self.strategy.committed_steps()[::-1]
+        while True:
+            while self.steps:
+                step = self.steps.pop(0)
+                self.tried.add(step)
+                try:
+                    manifest = read_manifest(self.strategy, step)
+                    check_files(self.strategy, step, manifest)
+                    if self.through_dcp(manifest):
+                        return self._everyone(("dcp", step))
+                    header = header_of(manifest)
+                    bodies = [
+                        body_for(self.strategy, step, manifest, world_size=self.world_size, shard=shard)
+                        for shard in self.wanted
+                    ]
+                except CheckpointCorruptError as exc:
+                    log.warning(
+                        "skipping checkpoint step %d in %s and falling back: %s",
+                        step,
+                        self.strategy.root,
+                        exc,
+                    )
+                    self.failed(step, str(exc))
+                    continue
+                except CheckpointError as exc:
+                    return self._everyone(("fatal", str(exc)))
+                except Exception as exc:
+                    return self._everyone(("fatal", str(_unreadable(step, self.strategy.root, exc))))
+                return [("load", step, header, body) for body in bodies]
+            if not self.failures or self.rounds >= _RESTORE_ROUNDS:
+                return self._everyone(("none", "; ".join(self.failures)))
+            self.rounds += 1  # a writer may have changed the directory meanwhile: look again
+            self.steps = [s for s in self.strategy.committed_steps()[::-1] if s not in self.tried]
+            if not self.steps:
+                return self._everyone(("none", "; ".join(self.failures)))
+
+    def _everyone(self, message: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        return [message] * len(self.wanted)
 
 
 def _unreadable(step: int, root: str, exc: Exception) -> CheckpointError:

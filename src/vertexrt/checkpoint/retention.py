@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vertexrt.checkpoint import manifest as fmt
+from vertexrt.checkpoint import manifest as manifest_format
 from vertexrt.checkpoint.policies import CheckpointInfo, KeepPolicy
 from vertexrt.checkpoint.storage import MANIFEST, Strategy
 from vertexrt.errors import CheckpointError
 
 log = logging.getLogger(__name__)
+
+#: Steps deleted at once (each delete is a few storage requests; a pass after a long outage may have many).
+DELETE_THREADS = 8
 
 
 class Retention:
@@ -54,17 +58,25 @@ class Retention:
             return
         infos = [self._info(step) for step in steps]
         keep = self.keep_policy.keep(infos)
-        for info, kept in zip(infos[:-1], keep[:-1], strict=True):  # the newest is always kept
-            if kept or info.step == saved:
-                continue
-            try:
-                self.strategy.delete(info.step, token)
-                self.infos.pop(info.step, None)
-                log.debug("deleted checkpoint step %d (keep policy)", info.step)
-            except Exception as exc:
-                log.warning(
-                    "could not delete checkpoint step %d in %s: %s", info.step, self.strategy.root, exc
-                )
+        doomed = [  # the newest is always kept
+            info.step
+            for info, kept in zip(infos[:-1], keep[:-1], strict=True)
+            if not kept and info.step != saved
+        ]
+        if len(doomed) <= 1:
+            for step in doomed:
+                self._delete(step, token)
+            return
+        with ThreadPoolExecutor(min(DELETE_THREADS, len(doomed)), "vertexrt-checkpoint-delete") as pool:
+            list(pool.map(lambda step: self._delete(step, token), doomed))
+
+    def _delete(self, step: int, token: str) -> None:
+        try:
+            self.strategy.delete(step, token)
+            self.infos.pop(step, None)
+            log.debug("deleted checkpoint step %d (keep policy)", step)
+        except Exception as exc:
+            log.warning("could not delete checkpoint step %d in %s: %s", step, self.strategy.root, exc)
 
     def _info(self, step: int) -> CheckpointInfo:
         info = self.infos.get(step)
@@ -83,7 +95,7 @@ class Retention:
         removed: list[str] = []
         for step in self.strategy.committed_steps():
             try:
-                used = fmt.referenced(self.read_manifest(step)) | {MANIFEST}
+                used = manifest_format.referenced(self.read_manifest(step)) | {MANIFEST}
             except CheckpointError:
                 continue  # an unreadable manifest: leave the step to restore()'s fallback
             directory = self.strategy.step_dir(step)

@@ -36,14 +36,58 @@ def resolve(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return (info.rank if rank is None else rank), (info.world_size if world_size is None else world_size)
 
 
-def broadcast(value: Any, dist: Any | None) -> Any:
+def broadcast(value: Any, dist: Any | None, *, group: Any = None) -> Any:
     """Rank 0's ``value`` on every rank (no-op without torch.distributed), on the CPU side group (never the
-    GPU)."""
+    GPU), or on ``group`` (e.g. a :func:`thread_group` when called off the main thread)."""
     if dist is None or dist.get_world_size() == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0, group=cpu_group(dist))
+    dist.broadcast_object_list(box, src=0, group=group if group is not None else cpu_group(dist))
     return box[0]
+
+
+def gather(value: Any, dist: Any | None, *, group: Any = None) -> list[Any] | None:
+    """Every rank's ``value`` in rank order on rank 0, None on the others (one object gather: rank 0
+    receives N small objects, every other rank sends one; nothing grows with N on the other ranks).
+
+    Example:
+        >>> gather({"files": 2}, None)
+        [{'files': 2}]
+    """
+    if dist is None or dist.get_world_size() == 1:
+        return [value]
+    chief = dist.get_rank() == 0
+    everyone: list[Any] | None = [None] * dist.get_world_size() if chief else None
+    dist.gather_object(value, everyone, dst=0, group=group if group is not None else cpu_group(dist))
+    return everyone
+
+
+def scatter(values: list[Any] | None, dist: Any | None, *, group: Any = None) -> Any:
+    """``values[rank]`` (given on rank 0 only, one per rank) on each rank: each rank receives only its own.
+
+    Example:
+        >>> scatter(["for rank 0"], None)
+        'for rank 0'
+    """
+    if dist is None or dist.get_world_size() == 1:
+        assert values is not None
+        return values[0]
+    box: list[Any] = [None]
+    dist.scatter_object_list(
+        box,
+        values if dist.get_rank() == 0 else None,
+        src=0,
+        group=group if group is not None else cpu_group(dist),
+    )
+    return box[0]
+
+
+def thread_group(dist: Any, timeout_s: float) -> Any:
+    """A new gloo group for one background thread's collectives (never interleaved with the main thread's);
+    every rank must create it at the same point. ``timeout_s`` bounds each of its collectives."""
+    from datetime import timedelta
+
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def all_gather(value: Any, dist: Any | None) -> list[Any]:

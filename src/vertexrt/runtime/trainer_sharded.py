@@ -99,17 +99,19 @@ class ShardedLayout:
     def restore(self, manager: Any, step: int) -> bool:
         """Load ``step``; True when this rank's own state came back too (saved by as many ranks).
 
-        Every rank takes the same path: a manifest read that fails on one rank raises the same error on all
-        of them (CheckpointCorruptError when the step is damaged) before any enters DCP's collectives.
+        Every rank takes the same path: rank 0 alone reads the manifest, and a read that fails there raises
+        the same error on every rank (CheckpointCorruptError when the step is damaged) before any enters
+        DCP's collectives.
         """
         from vertexrt.checkpoint import dcp
         from vertexrt.distributed import collectives
 
         dist, saved, error = collectives.torch_dist(), None, None
-        try:
-            saved = manager.metadata(step).get("world_size")
-        except Exception as exc:
-            error = exc
+        if manager.rank == 0:  # the others are told (per-rank reads of a manifest that grows with the ranks)
+            try:
+                saved = manager.metadata(step).get("world_size")
+            except Exception as exc:
+                error = exc
         dcp.agree(error, dist, f"reading the manifest of step {step}")
         self.saved_world = collectives.broadcast(saved, dist)  # rank 0's: one answer for every rank
         carried = self.saved_world == self.world_size
