@@ -29,7 +29,8 @@ def _launch(durable: str, local_root: str, die_at: int = -1) -> list[tuple[int, 
     """The three ranks; with ``die_at``, the victim SIGKILLs itself and the others are then killed too (a
     whole-job restart, as Vertex does with restartJobOnWorkerRestart)."""
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE), os.environ["PYTHONPATH"]]))
+    path = [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     argv = [durable, local_root, str(TOTAL), str(die_at)]
     procs = [
         subprocess.Popen(
@@ -89,14 +90,22 @@ def _spoil(durable: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_lost_vm_heals_from_its_peer_without_reading_the_durable_tier(tmp_path, storage_root, uninterrupted):
+def test_a_lost_vm_heals_from_its_peer_without_reading_the_durable_tier(
+    request, tmp_path, storage_root, uninterrupted
+):
     local = tmp_path / "local"
     _crash(storage_root, str(local))
     assert any(name.startswith("step_0000000040/") for name in list_files(storage_root))
     shutil.rmtree(local / f"replica{VICTIM}")  # the replacement VM has an empty local disk
     _spoil(storage_root)
+    proxy = None
+    if storage_root.startswith("gs://"):  # count the requests for durable data files (and fail them)
+        proxy = request.getfixturevalue("fault_proxy")
+        proxy.set("503", match=r"^GET [^ ]*\.bin")
 
     results = _launch(storage_root, str(local))
+    if proxy is not None:
+        assert proxy.handled["503"] == 0 and proxy.handled["pass"] > 0, proxy.handled
     reports = _finished(results)
     assert [r["resumed"] for r in reports] == [45] * WORLD, reports  # a fast step newer than durable 40
     assert [r["weights"] for r in reports] == [r["weights"] for r in uninterrupted]

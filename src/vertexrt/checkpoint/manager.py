@@ -176,7 +176,8 @@ class CheckpointManager:
                 checkpoint, or the target does not match.
         """
         self.wait()
-        if dcp.wanted(self, target, step):  # sharded (DTensor) state: DCP reshards onto this world
+        fast = self._fast_restore(target) if step is None else None  # newest everywhere: read nothing here
+        if fast is None and dcp.wanted(self, target, step):  # sharded (DTensor) state: DCP reshards it
             return dcp.restore(self, target, step)
         verify = lambda s: restoring.load(
             self._strategy,
@@ -186,16 +187,12 @@ class CheckpointManager:
             shard=shard,
             allow_pickle=self.allow_pickle,
         )
-        if step is not None:
-            loaded = verify(step)
-        else:  # the fast tier's newest step when every rank can get it, else the durable tier's
-            fast = self._fast.restore(self._strategy.committed_steps) if self._fast is not None else None
-            loaded = fast if fast is not None else self._agreed_newest(verify)
+        loaded = fast or (verify(step) if step is not None else self._agreed_newest(verify))
         if loaded is None:
             return None
         result = restoring.decode(loaded, target, device)
         if step is None:  # the newest step: a resume (the Trainer and Lightning name their step and log)
-            log_resuming(self.directory, loaded.step)
+            log_resuming(self.directory if fast is None else self._fast.directory, loaded.step)
         self.restored_step = loaded.step
         audit.event("resume", step=loaded.step)
         self._last = (loaded.step, None)
@@ -380,6 +377,13 @@ class CheckpointManager:
             world_size=self.world_size,
             allow_pickle=self.allow_pickle,
         )
+
+    def _fast_restore(self, target: Any) -> restoring.Loaded | None:
+        """The fast tier's newest step when every rank can get it and it is not older than the durable one."""
+        if self._fast is None or dcp.holds_dtensors(target):
+            return None
+        loaded: restoring.Loaded | None = self._fast.restore(self._strategy.committed_steps)
+        return loaded
 
     def _write_measured(self, *args: Any) -> None:
         """:meth:`_write`, its rate reported to the fast tier (which sizes an emergency save with it)."""
