@@ -1,9 +1,10 @@
 """One rank of the fast-tier recovery tests: a small data-parallel run with a durable tier every 40 steps and
 a fast tier every 5, each rank with its own local directory and its own reader position and RNG stream.
 
-Usage: python fast_worker.py RANK WORLD PORT DURABLE LOCAL_ROOT TOTAL DIE_AT
-Rank 1 SIGKILLs itself at step DIE_AT (-1: never), once every rank's fast step before it is complete.
-Prints one JSON line: the step it resumed from and its final weights.
+Usage: python fast_worker.py RANK WORLD PORT DURABLE LOCAL_ROOT TOTAL DIE_AT TERM_AT
+Rank 1 SIGKILLs itself at step DIE_AT (-1: never), once every rank's fast step before it is complete; or
+SIGTERMs itself at step TERM_AT (-1: never): every rank then makes its emergency save and exits 143.
+Prints one JSON line: the step it resumed from and its final weights (or the step it stopped at).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class Reader:
         self.position = int(state["position"])
 
 
-def main(rank: int, world: int, port: int, durable: str, local_root: str, total: int, die_at: int) -> None:
+def main(
+    rank: int, world: int, port: int, durable: str, local_root: str, total: int, die_at: int, term_at: int
+) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)d rank {rank}: %(name)s: %(message)s")
     os.environ["VERTEXRT_LOCAL_CHECKPOINT_DIR"] = os.path.join(local_root, f"replica{rank}")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -56,7 +59,10 @@ def main(rank: int, world: int, port: int, durable: str, local_root: str, total:
     reader = Reader(rank)
     state = {"model": model, "opt": opt, "reader": reader, "rng": rng_state(), "step": -1}
     mgr = CheckpointManager(
-        durable, save_policy=EveryNSteps(40), fast=FastTier(every=EveryNSteps(5), peers=1)
+        durable,
+        save_policy=EveryNSteps(40),
+        fast=FastTier(every=EveryNSteps(5), peers=1),
+        save_on_preemption=term_at >= 0,
     )
     restored = mgr.restore(target=state)
     start = restored["step"] + 1 if restored else 0
@@ -77,6 +83,14 @@ def main(rank: int, world: int, port: int, durable: str, local_root: str, total:
             dist.barrier()  # ... on every rank
         if rank == VICTIM and step == die_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if term_at >= 0:
+            if rank == VICTIM and step == term_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            if mgr.preemption_requested():
+                durable_saved = mgr.save(step, state, force=True, shard=rank)
+                mgr.close()
+                print(json.dumps({"stopped": step, "durable": durable_saved}), flush=True)
+                sys.exit(143)
     mgr.close()
     weights = [p.detach().tolist() for p in model.parameters()]
     print(json.dumps({"resumed": mgr.restored_step, "weights": weights, "position": reader.position}))
@@ -85,4 +99,4 @@ def main(rank: int, world: int, port: int, durable: str, local_root: str, total:
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    exit_after(lambda: main(int(a[0]), int(a[1]), int(a[2]), a[3], a[4], int(a[5]), int(a[6])))
+    exit_after(lambda: main(int(a[0]), int(a[1]), int(a[2]), a[3], a[4], int(a[5]), int(a[6]), int(a[7])))

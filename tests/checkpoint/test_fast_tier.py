@@ -25,13 +25,15 @@ DIE_AT = 48
 VICTIM = 1
 
 
-def _launch(durable: str, local_root: str, die_at: int = -1) -> list[tuple[int, str, str]]:
+def _launch(
+    durable: str, local_root: str, die_at: int = -1, term_at: int = -1, env: dict[str, str] | None = None
+) -> list[tuple[int, str, str]]:
     """The three ranks; with ``die_at``, the victim SIGKILLs itself and the others are then killed too (a
     whole-job restart, as Vertex does with restartJobOnWorkerRestart)."""
     port = free_port()
     path = [HERE, os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    argv = [durable, local_root, str(TOTAL), str(die_at)]
+    env = dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join(path))
+    argv = [durable, local_root, str(TOTAL), str(die_at), str(term_at)]
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.join(HERE, "fast_worker.py"), str(rank), str(WORLD), str(port), *argv],
@@ -151,3 +153,26 @@ def test_a_damaged_or_partial_fast_step_is_skipped_for_a_peer_copy(tmp_path, uni
     assert [r["weights"] for r in reports] == [r["weights"] for r in uninterrupted]
     assert "fast checkpoint step 45 is unusable: checksum mismatch" in results[0][2], results[0][2][-3000:]
     assert "fast checkpoint step 45 comes from the copy kept by rank 1" in results[0][2]
+
+
+@pytest.mark.slow
+def test_an_emergency_save_that_cannot_fit_the_grace_leaves_complete_peer_copies(tmp_path, uninterrupted):
+    durable, local = str(tmp_path / "durable"), tmp_path / "local"
+    grace = {"VERTEXRT_PREEMPTION_GRACE": "1"}  # no time for a durable save
+    stopped = []
+    for rank, (code, out, err) in enumerate(_launch(durable, str(local), term_at=46, env=grace)):
+        assert code == 143, f"rank {rank}:\n{err[-4000:]}"
+        stopped.append(json.loads(out.strip().splitlines()[-1]))
+    step = stopped[0]["stopped"]
+    assert step > 45 and step % 5 and stopped == [{"stopped": step, "durable": False}] * WORLD, stopped
+    assert sorted({name.split("/")[0] for name in list_files(durable)}) == [
+        "step_0000000000",
+        "step_0000000040",
+    ]
+    shutil.rmtree(local / f"replica{VICTIM}")  # and that VM is gone: its emergency step lives on rank 2
+
+    results = _launch(durable, str(local))
+    reports = _finished(results)
+    assert [r["resumed"] for r in reports] == [step] * WORLD, reports
+    assert [r["weights"] for r in reports] == [r["weights"] for r in uninterrupted]
+    assert f"fast checkpoint step {step} comes from the copy kept by rank 2" in results[VICTIM][2]
