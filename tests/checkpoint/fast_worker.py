@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,11 @@ def main(
         if term_at >= 0:
             if rank == VICTIM and step == term_at:
                 os.kill(os.getpid(), signal.SIGTERM)
-            if mgr.preemption_requested():
+            stop = mgr.preemption_requested()
+            while step == total - 1 and not stop:  # the ranks agree on the notice before the run ends
+                time.sleep(0.01)
+                stop = mgr.preemption_requested()
+            if stop:
                 durable_saved = mgr.save(step, state, force=True, shard=rank)
                 mgr.close()
                 print(json.dumps({"stopped": step, "durable": durable_saved}), flush=True)

