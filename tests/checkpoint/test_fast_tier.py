@@ -23,6 +23,8 @@ WORLD = 3
 TOTAL = 52
 DIE_AT = 48
 VICTIM = 1
+#: Seconds a launch may take before it counts as hung (3 torch processes on a loaded 2-core machine).
+TIMEOUT = 300
 
 
 def _launch(
@@ -46,11 +48,16 @@ def _launch(
     ]
     try:
         if die_at >= 0:
-            procs[VICTIM].wait(timeout=120)
+            procs[VICTIM].wait(timeout=TIMEOUT)
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
-        outputs = [proc.communicate(timeout=120) for proc in procs]
+        outputs = [proc.communicate(timeout=TIMEOUT) for proc in procs]
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        tails = [proc.communicate()[1][-3000:] for proc in procs]
+        pytest.fail(f"the ranks did not finish in {TIMEOUT} s: " + "\n".join(tails))
     finally:
         for proc in procs:
             if proc.poll() is None:
