@@ -150,3 +150,13 @@ def test_an_emergency_save_that_fits_goes_to_the_durable_tier(tmp_path, monkeypa
         mgr.wait()
         assert mgr.all_steps() == [0, 5, 8]
     assert not preemption_signal().requested
+
+
+def test_several_ranks_without_torch_distributed_are_told_what_the_tier_needs(tmp_path, monkeypatch):
+    from vertexrt.errors import CheckpointError
+
+    monkeypatch.setenv(config.LOCAL_DIR_VARIABLE, str(tmp_path / "local"))
+    fast = FastTier(every=EveryNSteps(2), peers=0)
+    mgr = CheckpointManager(str(tmp_path / "durable"), rank=1, world_size=2, fast=fast)
+    with mgr, pytest.raises(CheckpointError, match="torch.distributed"):
+        mgr.restore()

@@ -198,6 +198,12 @@ class FastCheckpoints:
         from the durable tier). Every rank calls it together; ``durable_steps`` is asked on rank 0 only."""
         self.wait()
         dist = collectives.torch_dist() if self.world_size > 1 else None
+        if self.world_size > 1 and dist is None:
+            raise CheckpointError(
+                f"the fast checkpoint tier across {self.world_size} ranks agrees on a step through "
+                "torch.distributed, which is not initialised (e.g. vertexrt.distributed.init_torch()); make "
+                "the CheckpointManager without fast= (and unset VERTEXRT_FAST_CHECKPOINT_EVERY)"
+            )
         group = self._peer_group()
         chosen = None
         for _ in range(RESTORE_ROUNDS):
