@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "StepExistsError": "vertexrt.errors",
     "StorageError": "vertexrt.errors",
     "EveryNSteps": "vertexrt.checkpoint.policies",
+    "FastTier": "vertexrt.checkpoint.tiers.config",
     "EveryNSeconds": "vertexrt.checkpoint.policies",
     "AnySave": "vertexrt.checkpoint.policies",
     "KeepLast": "vertexrt.checkpoint.policies",
@@ -47,6 +48,7 @@ __all__ = [
     "EveryNSeconds",
     "EveryNSteps",
     "FORMAT_VERSION",
+    "FastTier",
     "KeepBest",
     "KeepEveryNSteps",
     "KeepLast",
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
         SavePolicy,
     )
     from vertexrt.checkpoint.rng import RngState, rng_state
+    from vertexrt.checkpoint.tiers.config import FastTier
     from vertexrt.errors import CheckpointCorruptError, StepExistsError, StorageError
     from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE
 

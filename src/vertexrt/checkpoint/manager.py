@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vertexrt import audit
 from vertexrt.checkpoint import dcp, restoring, serialization, step_writer, storage
@@ -42,6 +42,9 @@ from vertexrt.distributed import collectives
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, StepExistsError
 from vertexrt.phases import long_phase
 
+if TYPE_CHECKING:
+    from vertexrt.checkpoint.tiers import FastTier
+
 log = logging.getLogger(__name__)
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointManager", "StepExistsError"]
@@ -61,6 +64,8 @@ class CheckpointManager:
         save_on_preemption: subscribe to the preemption notice now (see :meth:`save_on_preemption`).
         stale_after: seconds after which another host's unfinished save counts as abandoned.
         commit_timeout: seconds the chief waits for every rank's shard before giving up a sharded save.
+        fast: a fast tier under this one (local disk + peer copies, ``vertexrt.checkpoint.FastTier``);
+            default from ``VERTEXRT_FAST_CHECKPOINT_EVERY`` / ``_PEERS``, else none.
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class CheckpointManager:
         save_on_preemption: bool = False,
         stale_after: float = 600.0,
         commit_timeout: float = 1800.0,
+        fast: FastTier | None = None,
     ) -> None:
         if directory is None:
             from vertexrt.env import environment
@@ -120,6 +126,7 @@ class CheckpointManager:
             removed = self._strategy.cleanup() + self._retention.sweep()
             if removed:
                 log.info("removed unfinished checkpoint leftovers in %s: %s", self.directory, removed)
+        self._fast = self._fast_tier(fast)
         if save_on_preemption:
             self.save_on_preemption()
 
@@ -170,10 +177,13 @@ class CheckpointManager:
                 checkpoint, or the target does not match.
         """
         self.wait()
-        if dcp.holds_dtensors(target):  # sharded (DTensor) state: DCP reshards onto this world
-            return self._restored_through_dcp(target, step)
+        fast = self._fast_restore(target) if step is None else None  # newest everywhere: read nothing here
         loaded: restoring.Loaded | None
-        if step is not None:
+        if fast is not None:
+            loaded = fast
+        elif dcp.holds_dtensors(target):  # sharded (DTensor) state: DCP reshards onto this world
+            return self._restored_through_dcp(target, step)
+        elif step is not None:
             # read once, for the routing and the load
             manifest = restoring.read_manifest(self._strategy, step)
             if dcp.written_here(manifest):
@@ -204,7 +214,7 @@ class CheckpointManager:
             return None
         result = restoring.decode(loaded, target, device)
         if step is None:  # the newest step: a resume (the Trainer and Lightning name their step and log)
-            log_resuming(self.directory, loaded.step)
+            log_resuming(self.directory if fast is None else self._fast.directory, loaded.step)
         self.restored_step = loaded.step
         audit.event("resume", step=loaded.step)
         self._last = (loaded.step, None)
@@ -237,6 +247,8 @@ class CheckpointManager:
         if isinstance(step, bool) or not hasattr(step, "__index__") or operator.index(step) < 0:
             raise ConfigError(f"save(step={step!r}): the step must be an integer >= 0")
         step = operator.index(step)
+        if self._fast is not None and not self._fast.on_save(step, state, preempted=self._preempted):
+            return False  # an emergency save that would not fit in the grace period: fast tier only
         if not self._decide(step, force):
             return False
         with long_phase(f"checkpoint save of step {step}"):  # snapshot (and a blocking write): no hang
@@ -280,21 +292,24 @@ class CheckpointManager:
         args = (step, tree, nodes, buffers, clean_metrics, token, shard, overwrite)
         audit.event("save", step=step, asynchronous=not blocking)
         if blocking:
-            self._write(*args)
+            self._write_measured(*args)
         else:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-writer")
-            self._pending = self._writer.submit(self._write, *args)
+            self._pending = self._writer.submit(self._write_measured, *args)
         return True
 
     def wait(self) -> None:
-        """Block until the save in flight is committed; re-raise its error if it failed."""
+        """Block until the save in flight is committed (and the fast tier's step with its peer copies);
+        re-raise its error if it failed."""
         pending, self._pending = self._pending, None
         try:
             if pending is not None:
                 pending.result()
         finally:
             self._join_deleter()
+        if self._fast is not None:
+            self._fast.wait()
 
     def close(self) -> None:
         """Finish the save in flight and retention, release the preemption notice, free the snapshot."""
@@ -304,6 +319,8 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            if self._fast is not None:
+                self._fast.close()
             if self._staging is not None:  # the stager: its copy threads and pinned arena
                 self._staging.close()
                 self._staging = None
@@ -371,6 +388,40 @@ class CheckpointManager:
                 preemption_signal().request()  # decided by another rank: the same notice here
             self._preempted = True
         return self._preempted
+
+    # -- the fast tier (vertexrt.checkpoint.tiers) ----------------------------------------------------------
+
+    def _fast_tier(self, fast: FastTier | None) -> Any:
+        from vertexrt.checkpoint.tiers.config import FastTier
+
+        tier = fast if fast is not None else FastTier.from_environment()
+        if tier is None:
+            return None
+        if not isinstance(tier, FastTier):
+            raise ConfigError(f"CheckpointManager(fast={tier!r}): pass a vertexrt.checkpoint.FastTier")
+        from vertexrt.checkpoint.tiers.engine import FastCheckpoints
+
+        return FastCheckpoints(
+            tier,
+            durable_directory=self.directory,
+            rank=self.rank,
+            world_size=self.world_size,
+            allow_pickle=self.allow_pickle,
+        )
+
+    def _fast_restore(self, target: Any) -> restoring.Loaded | None:
+        """The fast tier's newest step when every rank can get it and it is not older than the durable one."""
+        if self._fast is None or dcp.holds_dtensors(target):
+            return None
+        loaded: restoring.Loaded | None = self._fast.restore(self._strategy.committed_steps)
+        return loaded
+
+    def _write_measured(self, *args: Any) -> None:
+        """:meth:`_write`, its rate reported to the fast tier (which sizes an emergency save with it)."""
+        began = time.monotonic()
+        self._write(*args)
+        if self._fast is not None:
+            self._fast.observe_durable_write(sum(len(b) for b in args[3]), time.monotonic() - began)
 
     # -- internals -----------------------------------------------------------------------------------------
 

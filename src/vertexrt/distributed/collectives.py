@@ -163,3 +163,53 @@ def cpu_group(dist: Any) -> Any:
     if not _CPU_GROUP or _CPU_GROUP[0] is not world:
         _CPU_GROUP[:] = [world, dist.new_group(backend="gloo")]
     return _CPU_GROUP[1]
+
+
+# -- point to point on a dedicated gloo group (the fast checkpoint tier's peer copies) ---------------------
+
+
+def new_gloo_group(dist: Any) -> Any:
+    """A new gloo group of every rank, for point-to-point traffic on a background thread beside the main
+    thread's collectives; every rank must call it at the same point (like any ``new_group``)."""
+    return dist.new_group(backend="gloo")
+
+
+def send_bytes(data: Any, dst: int, group: Any, dist: Any) -> list[Any]:
+    """Start sending ``data`` (bytes or a writable 1-D uint8 array) to rank ``dst``: its length, then its
+    bytes. Returns what to pass to :func:`wait_sent` (which keeps the buffers alive until then)."""
+    import numpy as np
+    import torch
+
+    array = np.frombuffer(bytearray(data), dtype=np.uint8) if isinstance(data, bytes) else data
+    size = torch.tensor([len(array)], dtype=torch.int64)
+    sent: list[Any] = [size, dist.isend(size, dst=dst, group=group)]
+    if len(array):
+        payload = torch.from_numpy(array)
+        sent += [payload, dist.isend(payload, dst=dst, group=group)]
+    return sent
+
+
+def wait_sent(sent: list[Any]) -> None:
+    """Block until every send :func:`send_bytes` started has left."""
+    for item in sent:
+        if hasattr(item, "wait"):
+            item.wait()
+
+
+def recv_bytes(src: int, group: Any, dist: Any, limit: int) -> Any:
+    """The next :func:`send_bytes` message from rank ``src`` (a 1-D uint8 numpy array).
+
+    Raises:
+        ValueError: the announced length is negative or above ``limit`` (nothing is allocated).
+    """
+    import torch
+
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src=src, group=group)
+    nbytes = int(size[0])
+    if not 0 <= nbytes <= limit:
+        raise ValueError(f"rank {src} announced {nbytes} bytes, outside 0..{limit}")
+    out = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes:
+        dist.recv(out, src=src, group=group)
+    return out.numpy()
