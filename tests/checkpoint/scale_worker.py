@@ -3,7 +3,10 @@ own (one gcsfs client per endpoint).
 
 Usage: python scale_worker.py RANK WORLD PORT ROOT PHASE=ENDPOINT..., phases run in order: ``save`` (a
 sharded step 1), ``restore`` (the newest step), ``exists`` (saving step 1 again) and ``fallback`` (steps 1
-and 2; rank 1's data of step 2 damaged; every rank restores step 1). Prints a JSON report per phase last.
+and 2; rank 1's data of step 2 damaged; every rank restores step 1), ``bodies`` (steps 1 to 3; rank 1's body
+file of step 3 damaged and of step 2 removed; every rank restores step 1) and ``v1`` (step 1 rewritten in
+format version 1, every body inline, as vertexrt wrote it before body files; every rank restores it).
+Prints a JSON report per phase last.
 """
 
 from __future__ import annotations
@@ -68,7 +71,54 @@ def run_phase(phase: str, rank: int, root: str, dist) -> object:
             dist.barrier()
             got = mgr.restore()
             outcome = [int(got["step"]), int(got["rank"])]
+        elif phase == "bodies":
+            for step in (1, 2, 3):
+                mgr.save(step, {**state(rank), "step": step}, shard=rank)
+                mgr.wait()
+            dist.barrier()
+            if rank == 1:
+                damage_body(root, 3, lambda fs, path: fs.pipe_file(path, fs.cat_file(path)[:-1] + b" "))
+                damage_body(root, 2, lambda fs, path: fs.rm_file(path))
+            dist.barrier()
+            got = mgr.restore()
+            outcome = [int(got["step"]), int(got["rank"])]
+        elif phase == "v1":
+            mgr.save(1, state(rank), shard=rank)
+            mgr.wait()
+            dist.barrier()
+            if rank == 0:
+                rewrite_as_v1(root, 1)
+            dist.barrier()
+            with CheckpointManager(root) as fresh:
+                outcome = [int(fresh.restore()["rank"]), fresh.restored_step]
     return outcome
+
+
+def damage_body(root: str, step: int, damage) -> None:
+    """``damage(fs, path)`` rank 1's body file of ``step``."""
+    from vertexrt import paths
+
+    fs, path = paths.filesystem(f"{root}/step_{step:010d}")
+    (body,) = [f for f in fs.ls(path, refresh=True) if f.endswith(".s1.body.json")]
+    damage(fs, body)
+
+
+def rewrite_as_v1(root: str, step: int) -> None:
+    """Step ``step`` as format version 1 wrote it: one manifest with every body inline, no body files."""
+    from vertexrt import paths
+    from vertexrt.checkpoint import manifest
+
+    fs, path = paths.filesystem(f"{root}/step_{step:010d}")
+    header = json.loads(fs.cat_file(f"{path}/manifest.json"))
+    assert header["format_version"] == 2 and all("tree" not in e for e in header["shards"]), header
+    bodies = [json.loads(fs.cat_file(f"{path}/{e['body']['name']}")) for e in header["shards"]]
+    old = manifest.build(
+        step=step, world_size=header["world_size"], sharded=True, shards=bodies, metrics=header["metrics"]
+    )
+    assert old["format_version"] == 1, old
+    for entry in header["shards"]:
+        fs.rm_file(f"{path}/{entry['body']['name']}")
+    fs.pipe_file(f"{path}/manifest.json", manifest.dumps(old))
 
 
 if __name__ == "__main__":

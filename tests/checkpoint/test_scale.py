@@ -24,12 +24,14 @@ _INFO_PROBE = re.compile(r"[?&]maxResults=1(&|\s|$)|^GET /storage/v1/b/[^/]+/o/[
 @dataclass
 class Requests:
     """One rank's storage requests in one phase: how many (``raw``: gcsfs's info halves included), how many
-    lists, bytes of GET responses."""
+    lists, bytes of GET responses (of them, of manifests and of shard body files)."""
 
     raw: int
     total: int
     lists: int
     read_bytes: int
+    manifest_bytes: int
+    body_bytes: int
 
 
 def _job(gcs_server, root: str, world: int, phases: list[str]) -> dict[str, tuple[list[Requests], list[Any]]]:
@@ -59,11 +61,14 @@ def _job(gcs_server, root: str, world: int, phases: list[str]) -> dict[str, tupl
 
 def _counted(proxy: FaultProxy) -> Requests:
     lines = [(line, size) for line, size in proxy.forwarded if not _INFO_PROBE.search(line)]
+    gets = [(line, size) for line, size in lines if line.startswith("GET ")]
     return Requests(
         raw=len(proxy.forwarded),
         total=len(lines),
         lists=sum(1 for line, _ in lines if _LIST.match(line)),
-        read_bytes=sum(size for line, size in lines if line.startswith("GET ")),
+        read_bytes=sum(size for _, size in gets),
+        manifest_bytes=sum(size for line, size in gets if "manifest.json" in line),
+        body_bytes=sum(size for line, size in gets if ".body.json" in line),
     )
 
 
@@ -103,6 +108,18 @@ def test_restore_lists_and_non_chief_bytes_do_not_grow_with_the_ranks(measured):
 
 
 @pytest.mark.slow
+def test_rank_0s_restore_reads_grow_only_by_the_step_headers_entries(measured):
+    """Rank 0 reads the step header (per shard: prefix, file sizes, body reference) and its own body; an
+    extra shard adds less to the header than a body (its tree) weighs. Each other rank reads one body."""
+    chief = {world: measured["restore", world][0] for world in (2, 4)}
+    per_shard = (chief[4].manifest_bytes - chief[2].manifest_bytes) / 2
+    assert 0 < per_shard < chief[2].body_bytes == chief[4].body_bytes, chief
+    others = {r.body_bytes for world in (2, 4) for r in measured["restore", world][1:]}
+    assert len(others) == 1 and others.pop() > 0, measured
+    assert all(r.manifest_bytes == 0 for world in (2, 4) for r in measured["restore", world][1:]), measured
+
+
+@pytest.mark.slow
 def test_an_existing_step_is_refused_on_every_rank_by_rank_0s_answer(measured):
     assert measured["exists reports", 2] == ["StepExistsError"] * 2, measured
     assert measured["exists", 2][1].raw == 0, measured  # the other rank asked storage nothing
@@ -113,3 +130,17 @@ def test_damaged_data_of_one_rank_falls_back_to_the_earlier_step_on_every_rank(g
     root = f"gs://{TEST_BUCKET}/{uuid.uuid4().hex}"
     [(_, reports)] = _job(gcs_server, root, 2, ["fallback"]).values()
     assert reports == [[1, 0], [1, 1]], reports
+
+
+@pytest.mark.slow
+def test_a_damaged_or_missing_body_file_falls_back_on_every_rank(gcs_server):
+    root = f"gs://{TEST_BUCKET}/{uuid.uuid4().hex}"
+    [(_, reports)] = _job(gcs_server, root, 2, ["bodies"]).values()
+    assert reports == [[1, 0], [1, 1]], reports
+
+
+@pytest.mark.slow
+def test_a_format_version_1_sharded_step_still_restores(gcs_server):
+    root = f"gs://{TEST_BUCKET}/{uuid.uuid4().hex}"
+    [(_, reports)] = _job(gcs_server, root, 2, ["v1"]).values()
+    assert reports == [[0, 1], [1, 1]], reports

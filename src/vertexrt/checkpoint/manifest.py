@@ -1,5 +1,11 @@
 """The manifest format: build one, and parse an untrusted one against a schema and bounds.
 
+Format version 1 holds every shard's body (prefix, files, tree) inline. Version 2 (sharded saves) is a
+step header: per shard only its prefix, data file sizes and a reference to its body file
+(``{"name", "size", "crc32c"}``), which the rank restoring that shard reads and checks
+(:func:`parse_body`); the header's size no longer grows with the trees. A manifest whose bodies are all
+inline is written as version 1, so older readers still read replicated, DCP and fast-tier steps.
+
 A manifest is read from storage that anyone with write access can change, so :func:`parse` checks every
 field before anything is allocated or opened: types, known node kinds, nesting depth, counts, sizes, chunk
 ranges inside their files, and names that are plain file names inside the step directory. Anything
@@ -24,7 +30,7 @@ from vertexrt.checkpoint.serialization import CONTAINER_KINDS, LEAF_KINDS
 from vertexrt.errors import CheckpointCorruptError, CheckpointError
 
 FORMAT = "vertexrt.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_DEPTH = 200
@@ -38,10 +44,11 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}$")
 def build(
     *, step: int, world_size: int, sharded: bool, shards: list[dict[str, Any]], metrics: dict[str, float]
 ) -> dict[str, Any]:
-    """A manifest for ``step`` whose ``shards`` are ``{"shard", "prefix", "files", "tree"}`` bodies."""
+    """A manifest for ``step`` whose ``shards`` are ``{"shard", "prefix", "files", "tree"}`` bodies, or
+    :func:`reference` s to body files (format version 2)."""
     return {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": 1 if all("tree" in body for body in shards) else FORMAT_VERSION,
         "vertexrt_version": _version(),
         "step": step,
         "time": time.time(),
@@ -51,6 +58,43 @@ def build(
         "sharded": sharded,
         "shards": shards,
     }
+
+
+def body_name(prefix: str) -> str:
+    """The name of the body file of the shard whose data files start with ``prefix``."""
+    return f"{prefix}.body.json"
+
+
+def reference(body: dict[str, Any], data: bytes) -> dict[str, Any]:
+    """A version 2 header's entry for ``body``, whose file holds ``data`` (``dumps(body)``)."""
+    from vertexrt.checkpoint.datafiles import crc32c
+
+    ref = {"name": body_name(body["prefix"]), "size": len(data), "crc32c": crc32c(data)}
+    return {"shard": body["shard"], "prefix": body["prefix"], "files": body["files"], "body": ref}
+
+
+def parse_body(data: bytes, *, name: str, entry: dict[str, Any], count: int) -> dict[str, Any]:
+    """The validated body in ``data`` (read from ``name``) that the parsed header ``entry`` references;
+    ``count``: the step's number of shards.
+
+    Raises:
+        CheckpointCorruptError: a size or CRC32C other than the header's, or any field out of schema.
+    """
+    import orjson
+
+    from vertexrt.checkpoint.datafiles import crc32c
+
+    ref = entry["body"]
+    if len(data) != ref["size"] or crc32c(data) != ref["crc32c"]:
+        raise _corrupt(name, f"is not the {ref['size']} bytes of CRC32C {ref['crc32c']} its step header says")
+    try:
+        body = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise _corrupt(name, f"is not valid JSON: {exc}") from None
+    _check_body(name, "body", body, count)
+    same = all(body[key] == entry[key] for key in ("shard", "prefix", "files"))
+    _check(name, "body (shard, prefix, files)", "differ from its step header", same)
+    return dict(body)
 
 
 def dumps(value: Any) -> bytes:
@@ -103,20 +147,25 @@ def parse(data: bytes, *, name: str, step: int | None = None) -> dict[str, Any]:
     _check(name, "shards", "...", isinstance(shards, list) and len(shards) == count)
     seen: set[int] = set()
     for i, body in enumerate(shards):
-        _check_body(name, f"shards[{i}]", body, count)
+        if version >= 2 and isinstance(body, dict) and "tree" not in body:
+            _check_reference(name, f"shards[{i}]", body, count)
+        else:
+            _check_body(name, f"shards[{i}]", body, count)
         seen.add(body["shard"])
     _check(name, "shards[*].shard", sorted(seen), len(seen) == count)
     return manifest
 
 
 def referenced(manifest: dict[str, Any]) -> set[str]:
-    """The data file names a parsed manifest uses."""
-    return {file for body in manifest["shards"] for file in body["files"]}
+    """The data (and body) file names a parsed manifest uses."""
+    return set(referenced_sizes(manifest))
 
 
 def referenced_sizes(manifest: dict[str, Any]) -> dict[str, int]:
-    """Data file name -> size, over every shard of a parsed manifest."""
-    return {file: size for body in manifest["shards"] for file, size in body["files"].items()}
+    """Data (and body) file name -> size, over every shard of a parsed manifest."""
+    sizes = {file: size for body in manifest["shards"] for file, size in body["files"].items()}
+    sizes.update((b["body"]["name"], b["body"]["size"]) for b in manifest["shards"] if "body" in b)
+    return sizes
 
 
 def check_leaf(node: dict[str, Any], name: str) -> None:
@@ -139,7 +188,24 @@ def check_leaf(node: dict[str, Any], name: str) -> None:
         )
 
 
+def _check_reference(name: str, where: str, entry: dict[str, Any], count: int) -> None:
+    _check_files(name, where, entry, count)
+    ref = _get(entry, "body")
+    _check(name, f"{where}.body", "...", isinstance(ref, dict))
+    _check(name, f"{where}.body.name", _get(ref, "name"), _get(ref, "name") == body_name(entry["prefix"]))
+    size, crc = _get(ref, "size"), _get(ref, "crc32c")
+    _check(name, f"{where}.body.size", size, _int(size) and 0 < size <= MAX_MANIFEST_BYTES)
+    _check(name, f"{where}.body.crc32c", crc, _int(crc) and 0 <= crc < 1 << 32)
+
+
 def _check_body(name: str, where: str, body: Any, count: int) -> None:
+    sizes = _check_files(name, where, body, count)
+    _check(name, f"{where}.tree", "missing", "tree" in body)
+    _check_tree(name, f"{where}.tree", body["tree"], sizes)
+
+
+def _check_files(name: str, where: str, body: Any, count: int) -> list[int]:
+    """The shard, prefix and files of a body or reference checked; the data files' sizes in order."""
     _check(name, where, "...", isinstance(body, dict))
     shard = _get(body, "shard")
     _check(name, f"{where}.shard", shard, _int(shard) and 0 <= shard < count)
@@ -151,9 +217,7 @@ def _check_body(name: str, where: str, body: Any, count: int) -> None:
         if file != part_name(prefix, index):
             raise _corrupt(name, f"lists data file {file!r} in {where}, not {part_name(prefix, index)!r}")
         _check(name, f"{where}.files[{file!r}]", size, _int(size) and 0 <= size <= MAX_FILE_BYTES)
-    sizes = [files[part_name(prefix, i)] for i in range(len(files))]
-    _check(name, f"{where}.tree", "missing", "tree" in body)
-    _check_tree(name, f"{where}.tree", body["tree"], sizes)
+    return [files[part_name(prefix, i)] for i in range(len(files))]
 
 
 def _check_tree(name: str, where: str, tree: Any, sizes: list[int]) -> None:

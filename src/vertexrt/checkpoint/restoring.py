@@ -1,8 +1,9 @@
 """Reading a committed step: validate its manifest, check the world, read and checksum its bytes, decode.
 
 Across ranks, :func:`newest` picks one step for everybody with O(1) storage requests per rank other than 0:
-rank 0 lists the steps, reads and parses each candidate's manifest once and checks its files (one listing);
-each rank receives only its own shard's body (one scatter), reads and checksums its bytes, and one all-reduce
+rank 0 lists the steps, reads and parses each candidate's manifest (a step header) once and checks its files
+(one listing); each rank receives only its own shard's entry (one scatter), reads its body file (format
+version 2) and checks it against the header, reads and checksums its bytes, and one all-reduce
 says whether every rank holds the step; if not, rank 0 offers the previous one. No rank loads anything
 before the ranks agree.
 
@@ -81,9 +82,10 @@ def load(
     """
     if manifest is None:
         manifest = read_manifest(strategy, step)
-    body = body_for(strategy, step, manifest, world_size=world_size, shard=rank if shard is None else shard)
+    entry = body_for(strategy, step, manifest, world_size=world_size, shard=rank if shard is None else shard)
     check_files(strategy, step, manifest)
-    return verify(strategy, step, header_of(manifest), body, allow_pickle=allow_pickle)
+    header = header_of(manifest)
+    return verify(strategy, step, header, read_body(strategy, step, header, entry), allow_pickle=allow_pickle)
 
 
 def header_of(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -114,6 +116,24 @@ def body_for(strategy: Strategy, step: int, manifest: dict[str, Any], *, world_s
             f"{sorted(b['shard'] for b in bodies)}, not {shard}: restore(shard=...) one of them"
         )
     return chosen[0]
+
+
+def read_body(strategy: Strategy, step: int, header: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """The body of a parsed manifest ``entry``: the entry itself when inline (format version 1), else its
+    body file, read (one request) and checked against the header's size and CRC32C.
+
+    Raises:
+        CheckpointCorruptError: the body file is missing, or not the one the header describes.
+    """
+    if "tree" in entry:
+        return entry
+    name = strategy.store.join(strategy.step_dir(step), entry["body"]["name"])
+    try:
+        data = strategy.store.read_bytes(name)
+    except FileNotFoundError:
+        raise CheckpointCorruptError(f"body file {name} is missing", file=name) from None
+    count = header["world_size"] if header["sharded"] else 1
+    return manifest_format.parse_body(data, name=name, entry=entry, count=count)
 
 
 def verify(
@@ -333,9 +353,10 @@ def newest(
             raise CheckpointError(offer[1])
         if kind == "dcp":
             return DcpStep(offer[1])
-        _, step, header, body = offer
+        _, step, header, entry = offer
         loaded, error, damage = None, None, ""
         try:
+            body = read_body(strategy, step, header, entry)
             loaded = verify(strategy, step, header, body, allow_pickle=allow_pickle)
         except CheckpointCorruptError as exc:
             log.warning("skipping checkpoint step %d in %s and falling back: %s", step, strategy.root, exc)

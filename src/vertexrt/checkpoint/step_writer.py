@@ -1,11 +1,12 @@
 """One step's write, for the manager and for DCP alike: shards -> gather -> manifest -> commit -> verdict.
 
-1. Every writing rank writes its data files (:func:`write_shard`) and describes them in a small body
-   (prefix, file sizes, tree).
-2. :func:`gather_shards`: the bodies (or each rank's failure) go to rank 0 over the process group, one object
-   gather; nothing is written to or polled from storage as a rendezvous.
-3. :func:`commit`: rank 0 builds the manifest and commits it through the storage strategy (the manifest, or
-   the rename, is the commit: no partially visible step).
+1. Every writing rank writes its data files (:func:`write_shard`) and describes them in a body (prefix,
+   file sizes, tree); in a sharded save each rank writes its body beside its data (:func:`write_body`) and
+   keeps only a small reference to it (name, size, CRC32C).
+2. :func:`gather_shards`: the references (or bodies, or each rank's failure) go to rank 0 over the process
+   group, one object gather; nothing is written to or polled from storage as a rendezvous.
+3. :func:`commit`: rank 0 builds the manifest (a step header of references: format version 2) and commits it
+   through the storage strategy (the manifest, or the rename, is the commit: no partially visible step).
 4. :func:`tell_outcome`: rank 0's verdict (committed, or why not) reaches every rank with one broadcast, so a
    failure on any rank is the same typed error on every rank.
 
@@ -86,6 +87,14 @@ def write_shard(
         threads=strategy.io_threads,
     )
     return {"shard": shard, "prefix": prefix, "files": files, "tree": tree}
+
+
+def write_body(site: Site, write_dir: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Write ``body`` to its own file in ``write_dir``; the step header's reference to it."""
+    data = manifest_format.dumps(body)
+    path = site.strategy.store.join(write_dir, manifest_format.body_name(body["prefix"]))
+    site.strategy.store.write_file(path, [data])
+    return manifest_format.reference(body, data)
 
 
 def gather_shards(
@@ -171,6 +180,8 @@ def write(
     error: BaseException | None = None
     try:
         body = write_shard(site, write_dir, token, shard or 0, nodes, buffers, tree)
+        if together:
+            body = write_body(site, write_dir, body)
     except BaseException as exc:
         if not together or not isinstance(exc, Exception):
             _abort(strategy, write_dir, token)
