@@ -113,7 +113,6 @@ def test_rank_0s_restore_reads_grow_only_by_the_step_headers_entries(measured):
     extra shard adds less to the header than a body (its tree) weighs. Each other rank reads one body."""
     chief = {world: measured["restore", world][0] for world in (2, 4)}
     per_shard = (chief[4].manifest_bytes - chief[2].manifest_bytes) / 2
-    print("MEASURE", {w: (c.manifest_bytes, c.body_bytes, c.read_bytes) for w, c in chief.items()}, {w: measured["restore", w][1].read_bytes for w in (2, 4)})
     assert 0 < per_shard < chief[2].body_bytes == chief[4].body_bytes, chief
     others = {r.body_bytes for world in (2, 4) for r in measured["restore", world][1:]}
     assert len(others) == 1 and others.pop() > 0, measured
