@@ -51,7 +51,8 @@ def main(rank: int, world: int, port: int, root: str) -> None:
         mgr.save(step, {"w": torch.full((50_000,), float(step * 10 + rank)), "step": step}, shard=rank)
     dist.barrier()
     if rank == 1:
-        name = next(n for n in os.listdir(os.path.join(sharded, "step_0000000002")) if ".s1." in n)
+        names = os.listdir(os.path.join(sharded, "step_0000000002"))
+        name = next(n for n in names if ".s1." in n and n.endswith(".bin"))  # a data file, not the body
         path = os.path.join(sharded, "step_0000000002", name)
         with open(path, "r+b") as f:
             f.seek(1000)
