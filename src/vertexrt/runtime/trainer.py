@@ -395,10 +395,11 @@ class Trainer(StateTracker):
                         attributes = sorted(self._attribute_values())
                         logger.warning("%s", self._layout.not_carried(self._loop, attributes))
             elif not self._multi_replica or rank == 0:
-                manager.restore(tree, step=step, shard=0 if self._multi_replica else None)
-            else:
-                manager.restore({"replicated": tree["replicated"]}, step=step, shard=0)
-                manager.restore({"local": tree["local"]}, step=step, shard=rank)
+                manager.restore_shards(step, [(tree, 0 if self._multi_replica else None)])
+            else:  # shard 0's replicated part and this rank's own, from rank 0's one read of the manifest
+                manager.restore_shards(
+                    step, [({"replicated": tree["replicated"]}, 0), ({"local": tree["local"]}, rank)]
+                )
         except CheckpointCorruptError as err:
             logger.warning("skipping checkpoint step %d: %s", step, err)
             return err
