@@ -50,3 +50,30 @@ def test_only_rank_0_lists_and_reads_the_manifest_when_a_trainer_restores(
     for rank, lines in enumerate(requests[1:], start=1):  # the others: shard 0's data and their own, only
         assert len(lines) == 2, (rank, lines)
         assert all(line.startswith("GET /download/") and ".bin?" in line for line in lines), (rank, lines)
+
+
+FAST_WORKER = os.path.join(os.path.dirname(__file__), "scripts", "trainer_fast_worker.py")
+
+
+def _fast_run(root: Any, die_at: int) -> list[tuple[int, str, str]]:
+    return run_ranks(FAST_WORKER, 2, lambda rank, port: [str(rank), "2", str(port), str(root), str(die_at)])
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_resumes_from_its_fast_tier_with_the_weights_of_an_uninterrupted_run(
+    tmp_path: Any,
+) -> None:
+    """Fast steps every 2, durable every 5: killed at step 8, the job resumes from fast step 8 (the newest
+    durable step is 5) and ends where an uninterrupted run ends."""
+    killed = _fast_run(tmp_path / "run", die_at=8)
+    assert [code for code, _, _ in killed] == [-9, -9], [err[-3000:] for _, _, err in killed]
+    reports = []
+    for root in (tmp_path / "reference", tmp_path / "run"):
+        results = _fast_run(root, die_at=-1)
+        for code, _, _ in results:
+            assert code == 0, "\n".join(err[-3000:] for _, _, err in results)
+        reports.append([json.loads(out.strip().splitlines()[-1]) for _, out, _ in results])
+    uninterrupted, resumed = reports
+    assert [r["started_at"] for r in resumed] == [8, 8]  # the fast step, newer than durable step 5
+    assert sorted(os.listdir(tmp_path / "run" / "ckpt"))[:2] == ["step_0000000005", "step_0000000010"]
+    assert [r["weights"] for r in resumed] == [r["weights"] for r in uninterrupted]

@@ -429,6 +429,56 @@ class CheckpointManager:
         self._last = (step, None)
         return results
 
+    @property
+    def fast_directory(self) -> str | None:
+        """This VM's directory of the fast tier (None without one)."""
+        return None if self._fast is None else str(self._fast.directory)
+
+    def restore_fast_shards(
+        self, parts: Sequence[tuple[Any, int | None]], *, device: Any = None
+    ) -> tuple[list[Any], bool] | None:
+        """Load the fast tier's newest step that every rank can get into ``parts`` (``(target, shard)``:
+        shard None or this rank for this rank's own state, 0 for rank 0's, which rank 0 broadcasts); the
+        decoded trees in order, and whether the durable tier holds that step too. None when there is no
+        fast tier or no fast step as new as the durable tier's newest (then :meth:`restore_shards` a
+        durable step). Every rank calls it together.
+
+        Raises:
+            ConfigError: a part asks for another rank's state than rank 0's.
+            CheckpointError: the fast tier failed on some rank for a reason other than a damaged copy.
+        """
+        for _, shard in parts:
+            if shard not in (None, self.rank, 0):
+                raise ConfigError(
+                    f"restore_fast_shards(shard={shard}) on rank {self.rank}: the fast tier gives this "
+                    "rank's own state (shard None) and rank 0's (shard 0)"
+                )
+        if self._fast is None:
+            return None
+        self.wait()
+        newest_durable: list[int | None] = [None]  # rank 0: what the fast tier compared with
+
+        def durable_steps() -> list[int]:
+            steps = self._strategy.committed_steps()
+            newest_durable[0] = max(steps, default=None)
+            return steps
+
+        own: restoring.Loaded | None = self._fast.restore(durable_steps)
+        if own is None:
+            return None
+        self.restored_step = own.step
+        dist = collectives.torch_dist() if self.world_size > 1 else None
+        [wanted] = collectives.all_max([int(self.rank != 0 and any(s == 0 for _, s in parts))], dist)
+        chiefs = own if self.rank == 0 and wanted else None  # rank 0's state at the agreed step
+        in_durable, chiefs = collectives.broadcast((newest_durable[0] == own.step, chiefs), dist)
+        values = [
+            restoring.decode(own if shard in (None, self.rank) else chiefs, target, device)
+            for target, shard in parts
+        ]
+        audit.event("resume", step=own.step)
+        self._last = (own.step, None)
+        return values, bool(in_durable)
+
     def _offer_shards(self, step: int, wanted: list[list[int]]) -> list[tuple[Any, ...]]:
         """Rank 0's side of :meth:`restore_shards`: one message per rank (an error is every rank's)."""
         try:
