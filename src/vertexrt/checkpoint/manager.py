@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -388,6 +388,123 @@ class CheckpointManager:
                 preemption_signal().request()  # decided by another rank: the same notice here
             self._preempted = True
         return self._preempted
+
+    # -- one step into several sub-trees (the Trainer's restore) ---------------------------------------------
+
+    def restore_shards(
+        self, step: int, parts: Sequence[tuple[Any, int | None]], *, device: Any = None
+    ) -> list[Any]:
+        """Load ``step`` into each ``(target, shard)`` of ``parts`` (shard None: this rank's, or the one
+        body of a replicated step); the decoded trees, in order. Every rank calls it together.
+
+        Rank 0 alone reads the step's manifest and lists its files; each rank receives the header and the
+        bodies of its own parts (one object gather, one scatter), then reads and checksums their data.
+
+        Raises:
+            CheckpointCorruptError: the step is damaged (on every rank when rank 0 found it so).
+            CheckpointError: a sharded step written by another number of ranks, a newer format, a step
+                written through DCP, or reading failed on rank 0.
+        """
+        self.wait()
+        dist = collectives.torch_dist() if self.world_size > 1 else None
+        wanted = [self.rank if shard is None else shard for _, shard in parts]
+        everyone = collectives.gather(wanted, dist)
+        offer = collectives.scatter(
+            self._offer_shards(step, everyone) if everyone is not None else None, dist
+        )
+        if offer[0] == "damaged":
+            raise CheckpointCorruptError(offer[1])
+        if offer[0] == "fatal":
+            raise CheckpointError(offer[1])
+        _, header, bodies = offer
+        loaded = [
+            restoring.verify(self._strategy, step, header, body, allow_pickle=self.allow_pickle)
+            for body in bodies
+        ]
+        results = [
+            restoring.decode(one, target, device) for one, (target, _) in zip(loaded, parts, strict=True)
+        ]
+        self.restored_step = step
+        audit.event("resume", step=step)
+        self._last = (step, None)
+        return results
+
+    @property
+    def fast_directory(self) -> str | None:
+        """This VM's directory of the fast tier (None without one)."""
+        return None if self._fast is None else str(self._fast.directory)
+
+    def restore_fast_shards(
+        self, parts: Sequence[tuple[Any, int | None]], *, device: Any = None
+    ) -> tuple[list[Any], bool] | None:
+        """Load the fast tier's newest step that every rank can get into ``parts`` (``(target, shard)``:
+        shard None or this rank for this rank's own state, 0 for rank 0's, which rank 0 broadcasts); the
+        decoded trees in order, and whether the durable tier holds that step too. None when there is no
+        fast tier or no fast step as new as the durable tier's newest (then :meth:`restore_shards` a
+        durable step). Every rank calls it together.
+
+        Raises:
+            ConfigError: a part asks for another rank's state than rank 0's.
+            CheckpointError: the fast tier failed on some rank for a reason other than a damaged copy.
+        """
+        for _, shard in parts:
+            if shard not in (None, self.rank, 0):
+                raise ConfigError(
+                    f"restore_fast_shards(shard={shard}) on rank {self.rank}: the fast tier gives this "
+                    "rank's own state (shard None) and rank 0's (shard 0)"
+                )
+        if self._fast is None:
+            return None
+        self.wait()
+        newest_durable: list[int | None] = [None]  # rank 0: what the fast tier compared with
+
+        def durable_steps() -> list[int]:
+            steps = self._strategy.committed_steps()
+            newest_durable[0] = max(steps, default=None)
+            return steps
+
+        own: restoring.Loaded | None = self._fast.restore(durable_steps)
+        if own is None:
+            return None
+        self.restored_step = own.step
+        dist = collectives.torch_dist() if self.world_size > 1 else None
+        [wanted] = collectives.all_max([int(self.rank != 0 and any(s == 0 for _, s in parts))], dist)
+        chiefs = own if self.rank == 0 and wanted else None  # rank 0's state at the agreed step
+        in_durable, chiefs = collectives.broadcast((newest_durable[0] == own.step, chiefs), dist)
+        values = [
+            restoring.decode(own if shard in (None, self.rank) else chiefs, target, device)
+            for target, shard in parts
+        ]
+        audit.event("resume", step=own.step)
+        self._last = (own.step, None)
+        return values, bool(in_durable)
+
+    def _offer_shards(self, step: int, wanted: list[list[int]]) -> list[tuple[Any, ...]]:
+        """Rank 0's side of :meth:`restore_shards`: one message per rank (an error is every rank's)."""
+        try:
+            manifest = restoring.read_manifest(self._strategy, step)
+            if dcp.written_here(manifest):
+                raise CheckpointError(
+                    f"checkpoint step {step} in {self.directory} was written through DCP (sharded modules) "
+                    "and this state holds none: restore it with the sharded modules it was saved from"
+                )
+            bodies = [
+                [
+                    restoring.body_for(self._strategy, step, manifest, world_size=self.world_size, shard=s)
+                    for s in shards
+                ]
+                for shards in wanted
+            ]
+            restoring.check_files(self._strategy, step, manifest)
+        except CheckpointCorruptError as exc:
+            return [("damaged", str(exc))] * len(wanted)
+        except CheckpointError as exc:
+            return [("fatal", str(exc))] * len(wanted)
+        except Exception as exc:  # e.g. EIO on a FUSE mount: every rank stops, none is left waiting
+            why = f"reading checkpoint step {step} in {self.directory} failed: {type(exc).__name__}: {exc}"
+            return [("fatal", why)] * len(wanted)
+        header = restoring.header_of(manifest)
+        return [("load", header, mine) for mine in bodies]
 
     # -- the fast tier (vertexrt.checkpoint.tiers) ----------------------------------------------------------
 

@@ -86,6 +86,7 @@ from vertexrt.runtime.trainer_state import (
     LoopState,
     is_per_rank,
     plain_attributes,
+    restore_fast,
     restore_newest,
 )
 from vertexrt.runtime.trainer_tensorboard import TrainerScalars
@@ -369,6 +370,11 @@ class Trainer(StateTracker):
 
     def _restore(self) -> None:
         manager = self.checkpoints
+        fast = self._layout is None and manager.fast_directory is not None  # the same on every rank
+        if fast and restore_fast(manager, self._restore_fast):
+            detail = f"epoch {self.epoch}, batch {self._loop.batch_in_epoch}"
+            log_resuming(str(manager.fast_directory), self.step, detail)
+            return
         if not restore_newest(manager, self._restore_step, rank=self.ctx.rank):
             return
         self._saved = self._loop.state_dict()
@@ -381,12 +387,29 @@ class Trainer(StateTracker):
                 self.step,
             )
 
+    def _restore_parts(self) -> list[tuple[Any, int | None]]:
+        """What this rank restores, as ``(sub-tree, shard)``: a non-chief replica takes shard 0's replicated
+        part and its own."""
+        tree, rank = self._restore_target, self.ctx.rank
+        if not self._multi_replica or rank == 0:
+            return [(tree, 0 if self._multi_replica else None)]
+        return [({"replicated": tree["replicated"]}, 0), ({"local": tree["local"]}, rank)]
+
+    def _restore_fast(self) -> bool:
+        """Load the fast tier's newest step every rank can get; False when the durable tier is newer."""
+        restored = self.checkpoints.restore_fast_shards(self._restore_parts())
+        if restored is None:
+            return False
+        if restored[1]:  # the durable tier holds it too: the end of fit() does not write it again
+            self._saved = self._loop.state_dict()
+        return True
+
     def _restore_step(self, step: int) -> Exception | None:
         """Load ``step`` into the tracked state; the error when it failed (a corrupt step is warned about).
 
         Every error is returned, not raised, so that every rank reaches the agreement that follows.
         """
-        manager, rank, tree = self.checkpoints, self.ctx.rank, self._restore_target
+        manager = self.checkpoints
         try:
             if self._layout is not None:
                 if not self._layout.restore(manager, step):
@@ -394,11 +417,8 @@ class Trainer(StateTracker):
                     if self.ctx.is_chief:
                         attributes = sorted(self._attribute_values())
                         logger.warning("%s", self._layout.not_carried(self._loop, attributes))
-            elif not self._multi_replica or rank == 0:
-                manager.restore(tree, step=step, shard=0 if self._multi_replica else None)
-            else:
-                manager.restore({"replicated": tree["replicated"]}, step=step, shard=0)
-                manager.restore({"local": tree["local"]}, step=step, shard=rank)
+            else:  # rank 0 alone reads the manifest and lists the step; the others are sent their bodies
+                manager.restore_shards(step, self._restore_parts())
         except CheckpointCorruptError as err:
             logger.warning("skipping checkpoint step %d: %s", step, err)
             return err

@@ -126,3 +126,31 @@ def restore_newest(manager: Any, load_step: Callable[[int], Exception | None], *
     what = "no usable checkpoint" if newest_first else "no checkpoint"
     logger.info("%s in %s: starting from step 0", what, manager.directory)
     return False
+
+
+def restore_fast(manager: Any, load: Callable[[], bool]) -> bool:
+    """Load the fast tier's newest step every rank can get (``load()``: False when none is newer than the
+    durable tier's newest); the ranks agree on the outcome, so an error stops every rank.
+
+    Raises:
+        CheckpointError / DataError: the fast step failed to load on some rank.
+    """
+    from vertexrt.distributed.collectives import all_max, torch_dist
+
+    restored, error = False, None
+    try:
+        restored = load()
+    except Exception as err:
+        logger.error("restoring the fast checkpoint step failed: %s: %s", type(err).__name__, err)
+        error = err
+    [failed] = all_max([int(error is not None)], torch_dist())
+    if failed:
+        step = manager.restored_step
+        if step is None:
+            raise CheckpointError(
+                f"restoring from the fast checkpoint tier in {manager.fast_directory} failed"
+                + (f": {error}" if error else " on another rank (its log says why)")
+                + "; fix the cause (local disk, the process group) and restart the job"
+            ) from error
+        raise _restore_failure(step, manager.fast_directory, error) from error
+    return restored

@@ -49,11 +49,12 @@ def main(rank: int, world: int, port: int, root: str) -> None:
     ctx.checkpoints.close()
     dist.barrier()
     if rank == 1:
+        from vertexrt.checkpoint import restoring
 
-        def unreadable(self: CheckpointManager, *args: object, **kwargs: object) -> None:
-            raise OSError(errno.EIO, "Input/output error", self.directory)
+        def unreadable(strategy: object, *args: object, **kwargs: object) -> None:
+            raise OSError(errno.EIO, "Input/output error", os.path.join(root, "ckpt"))
 
-        CheckpointManager.restore = unreadable  # type: ignore[method-assign]
+        restoring.verify = unreadable  # type: ignore[assignment]  # this rank's reads of the data files
     again = vertexrt.Context.create()
     again.checkpoints = CheckpointManager(os.path.join(root, "ckpt"), save_policy=EveryNSteps(2))
     try:
