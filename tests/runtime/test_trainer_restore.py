@@ -47,9 +47,12 @@ def test_only_rank_0_lists_and_reads_the_manifest_when_a_trainer_restores(
     assert [r["step"] for r in reports] == [4] * world
     assert all(r["weights"] == reports[0]["weights"] for r in reports)
     assert any("manifest.json" in line for line in requests[0])  # the chief reads it (and lists)
-    for rank, lines in enumerate(requests[1:], start=1):  # the others: shard 0's data and their own, only
-        assert len(lines) == 2, (rank, lines)
-        assert all(line.startswith("GET /download/") and ".bin?" in line for line in lines), (rank, lines)
+    for rank, lines in enumerate(requests[1:], start=1):  # the others: shard 0's and their own, only:
+        # each shard's body file (format version 2) and its data file, one request each
+        assert all(line.startswith("GET /download/") for line in lines), (rank, lines)
+        assert sorted(".body.json?" in line for line in lines) == [False, False, True, True], (rank, lines)
+        assert sum(".bin?" in line for line in lines) == 2, (rank, lines)
+        assert not any("manifest.json" in line for line in lines), (rank, lines)
 
 
 FAST_WORKER = os.path.join(os.path.dirname(__file__), "scripts", "trainer_fast_worker.py")

@@ -417,9 +417,15 @@ class CheckpointManager:
         if offer[0] == "fatal":
             raise CheckpointError(offer[1])
         _, header, bodies = offer
-        loaded = [
-            restoring.verify(self._strategy, step, header, body, allow_pickle=self.allow_pickle)
-            for body in bodies
+        loaded = [  # a body file of format version 2 is read here, by the rank that needs it (one request)
+            restoring.verify(
+                self._strategy,
+                step,
+                header,
+                restoring.read_body(self._strategy, step, header, entry),
+                allow_pickle=self.allow_pickle,
+            )
+            for entry in bodies
         ]
         results = [
             restoring.decode(one, target, device) for one, (target, _) in zip(loaded, parts, strict=True)
