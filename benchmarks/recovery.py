@@ -6,9 +6,9 @@ loopback relay that counts the bytes the server sends and can throttle both dire
 
 - **one VM lost**: rank 1 is SIGKILLed after step ``--die-at`` and its local disk wiped; the job restarts;
 - **two VMs lost**: ranks 1 and 2 (one peer group: rank 1's copies live on rank 2) lose their disks;
-- **SIGTERM, 30 s grace**: rank 1 gets SIGTERM at step ``--die-at`` with the server throttled to
-  ``--throttle-mbs`` MB/s; every rank makes its emergency save; then the VM is gone (disk wiped) and the job
-  restarts.
+- **SIGTERM, 30 s grace**: rank 1 gets SIGTERM after step ``--die-at`` and from then on the server is
+  throttled to ``--throttle-mbs`` MB/s; every rank makes its emergency save; every rank still running when
+  the grace ends is SIGKILLed; then the VM is gone (disk wiped) and the job restarts.
 
 Per scenario and configuration: the steps lost (last step done - step resumed from), seconds from the
 restart's launch to the end of its first step, bytes read from the server during the restart, and the
@@ -131,7 +131,7 @@ def finish(procs: list[subprocess.Popen[bytes]], cfg: dict[str, Any], timeout: f
                 p.kill()
     for r, p in enumerate(procs):
         code = p.wait(timeout=timeout)
-        if code not in (0, 143, -9):
+        if code not in (0, 143, -9) and cfg.get("die_at", -1) < 0:  # with a VM lost, its peers fail
             with open(cfg["report"].format(rank=r) + ".log") as log:
                 raise RuntimeError(f"rank {r} exited {code}:\n{log.read()[-3000:]}")
 
@@ -212,10 +212,10 @@ class Bench:
         """SIGTERM on rank 1; every rank still running ``--grace`` seconds later is SIGKILLed (the VM is
         reclaimed), then the job restarts with rank 1's disk wiped."""
         cfg = self.config(fast_every, durable_every, term_at=self.args.die_at)
-        self.relay.rate = self.args.throttle_mbs * 1e6
         try:
             procs = launch(cfg, self.env, wait=False)
             signalled = wait_marker(cfg, procs)
+            self.relay.rate = self.args.throttle_mbs * 1e6  # the bandwidth drops with the notice
             for p in procs:
                 p.wait(timeout=max(0.0, signalled + self.args.grace - time.time()) + 1e-3)
         except subprocess.TimeoutExpired:
@@ -228,7 +228,7 @@ class Bench:
                 p.wait()
         stopped = reports(cfg)
         result = self.restart(cfg, wipe=[1])
-        done = [r for r in stopped.values() if "stopped" in r]
+        done = [r for r in stopped.values() if "stop_s" in r]
         result["durable_saved"] = len(done) == WORLD and all(r["durable_saved"] for r in done)
         result["emergency_s"] = max(r["stop_s"] for r in done) - signalled if len(done) == WORLD else None
         return result
@@ -311,19 +311,19 @@ def verify_durable(durable: str, env: dict[str, str]) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small state, fewer steps")
-    parser.add_argument("--mib", type=int, default=32, help="state per rank (MiB)")
+    parser.add_argument("--mib", type=int, default=16, help="state per rank (MiB)")
     parser.add_argument("--step-ms", type=float, default=100.0)
     parser.add_argument("--fast-every", type=int, default=5)
     parser.add_argument("--durable-every", type=int, default=40)
     parser.add_argument("--die-at", type=int, default=48)
     parser.add_argument("--grace", type=float, default=30.0)
-    parser.add_argument("--throttle-mbs", type=float, default=4.0, help="server bandwidth while throttled")
+    parser.add_argument("--throttle-mbs", type=float, default=1.0, help="server MB/s while throttled")
     parser.add_argument("--kills", type=int, default=0)
     parser.add_argument("--kill-window", type=float, default=3.0, help="seconds after the signal")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.quick:
-        args.mib, args.die_at, args.durable_every = 4, 28, 20
+        args.mib, args.die_at, args.durable_every, args.throttle_mbs = 4, 28, 20, 0.2
 
     from vertexrt.emulator import GCSServer
 
@@ -351,9 +351,11 @@ def table(bench: Bench, args: argparse.Namespace) -> None:
     two = bench.crash(args.fast_every, args.durable_every, wipe=[1, 2])
     rows.append(("two VMs, one group", "fast", two, per_step(two["before"][1])))
     term = bench.preempt(args.fast_every, args.durable_every)
-    rows.append((f"SIGTERM {args.grace:.0f}s grace", "fast", term, 0.0))
+    rows.append((f"SIGTERM {args.grace:.0f}s grace", "fast", term, per_step(term["before"][1])))
     term_base = bench.preempt(0, k)
-    rows.append((f"SIGTERM {args.grace:.0f}s grace", f"durable/{k}", term_base, 0.0))
+    rows.append(
+        (f"SIGTERM {args.grace:.0f}s grace", f"durable/{k}", term_base, per_step(term_base["before"][1]))
+    )
     step_s = args.step_ms / 1000
     print(
         f"{WORLD} gloo CPU ranks, {args.mib} MiB per rank, {args.step_ms:.0f} ms steps, fast every "

@@ -74,9 +74,10 @@ def main(rank: int, world: int, port: int, cfg: dict) -> int:
                 time.sleep(0.01)  # the ranks agree on the notice before the run ends
                 stop = mgr.preemption_requested()
             if stop:
+                report["stopped"] = step
+                _write(cfg["report"], report)  # the grace may end before the emergency save does
                 report["durable_saved"] = mgr.save(step, state, force=True, shard=rank)
                 mgr.close()
-                report["stopped"] = step
                 report["stop_s"] = time.time()
                 _write(cfg["report"], report)
                 return 143
