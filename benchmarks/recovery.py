@@ -321,6 +321,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=0)
     parser.add_argument("--kill-window", type=float, default=3.0, help="seconds after the signal")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-table", action="store_true", help="only the durability check")
     args = parser.parse_args()
     if args.quick:
         args.mib, args.die_at, args.durable_every, args.throttle_mbs = 4, 28, 20, 0.2
@@ -332,7 +333,8 @@ def main() -> None:
     relay = ThrottledRelay(("127.0.0.1", server.port))
     try:
         bench = Bench(args, root, relay)
-        table(bench, args)
+        if not args.no_table:
+            table(bench, args)
         if args.kills:
             print(f"durability: {durability(bench, args.kills)} (0 partially visible steps)")
     finally:
