@@ -13,8 +13,9 @@ loopback relay that counts the bytes the server sends and can throttle both dire
 Per scenario and configuration: the steps lost (last step done - step resumed from), seconds from the
 restart's launch to the end of its first step, bytes read from the server during the restart, and the
 blocking of ``save()`` as a share of the step time. The fast configuration saves fast every ``--fast-every``
-and durable every ``--durable-every`` steps; the baseline saves durable only, every k' steps, k' chosen so
-that its blocking per step equals the fast configuration's (both measured in the first, uninterrupted part).
+and durable every ``--durable-every`` steps; the baseline saves durable only, every k' steps: k' is the
+blocking of one durable save (a durable-only calibration run saving every ``--fast-every`` steps) over the
+fast configuration's blocking per step. The table shows both blockings as measured.
 
 ``--kills N`` adds the durability check: N times, SIGTERM on rank 1 and then a SIGKILL of every rank at a
 random (seeded) moment during the emergency save, with the server throttled; after each, every committed
