@@ -16,10 +16,11 @@ import sys
 import pytest
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks")
-KILLS = 6
+KILLS = 3  # seeded moments; the benchmark runs 200 (each kill restarts 3 torch processes: ~20 s)
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_hard_kills_during_an_emergency_save_leave_no_partial_durable_step(gcs_server, tmp_path):
     sys.path.insert(0, BENCHMARKS)
     try:
