@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from vertexrt.checkpoint import datafiles, restoring, storage
-from vertexrt.checkpoint import manifest as fmt
+from vertexrt.checkpoint import manifest as manifest_format
 from vertexrt.checkpoint.tiers.config import KEEP
 from vertexrt.errors import CheckpointCorruptError, CheckpointError
 
@@ -55,8 +55,10 @@ class LocalSteps:
                 threads=strategy.io_threads,
             )
             body = {"shard": 0, "prefix": prefix, "files": files, "tree": tree}
-            manifest = fmt.build(step=step, world_size=world_size, sharded=False, shards=[body], metrics={})
-            strategy.commit(step, write_dir, fmt.dumps(manifest), token, overwrite=True)
+            manifest = manifest_format.build(
+                step=step, world_size=world_size, sharded=False, shards=[body], metrics={}
+            )
+            strategy.commit(step, write_dir, manifest_format.dumps(manifest), token, overwrite=True)
         except BaseException:
             strategy.abort(write_dir, token)
             raise
@@ -81,7 +83,7 @@ class LocalSteps:
         """``(manifest bytes, [(file name, size)])`` of committed ``step``, to send a copy."""
         data = self.strategy.read_manifest(step)
         name = self.strategy.store.join(self.strategy.step_dir(step), storage.MANIFEST)
-        sizes = fmt.referenced_sizes(fmt.parse(data, name=name, step=step))
+        sizes = manifest_format.referenced_sizes(manifest_format.parse(data, name=name, step=step))
         return data, sorted(sizes.items())
 
     def file(self, step: int, name: str, size: int) -> Any:

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from vertexrt.checkpoint import manifest as fmt
+from vertexrt.checkpoint import manifest as manifest_format
 from vertexrt.checkpoint.tiers.local import LocalSteps, check_name
 from vertexrt.distributed import collectives
 from vertexrt.errors import CheckpointError
@@ -87,12 +87,12 @@ def recv_step(steps: LocalSteps, src: int, group: Any, dist: Any) -> int:
     try:
         header = json.loads(bytes(collectives.recv_bytes(src, group, dist, MAX_HEADER_BYTES)))
         step, files = int(header["step"]), [(str(n), int(s)) for n, s in header["files"]]
-        if step < 0 or len(files) > fmt.MAX_FILES:
+        if step < 0 or len(files) > manifest_format.MAX_FILES:
             raise ValueError(f"step {step} with {len(files)} files")
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{where}: unreadable header ({exc}); the copy is skipped") from None
     try:
-        manifest = bytes(collectives.recv_bytes(src, group, dist, fmt.MAX_MANIFEST_BYTES))
+        manifest = bytes(collectives.recv_bytes(src, group, dist, manifest_format.MAX_MANIFEST_BYTES))
         received = [
             (check_name(name, where), collectives.recv_bytes(src, group, dist, size)) for name, size in files
         ]
