@@ -244,4 +244,9 @@ def test_example_two_replicas_preempted_resumes_to_the_same_weights(tmp_path: Pa
     expected = torch.load(tmp_path / "reference" / "model" / "model.pt")
     with paths.open(f"{bucket}/model/model.pt", "rb") as f:
         got = torch.load(f)
-    assert all(torch.equal(expected[k], got[k]) for k in expected)  # bitwise
+    differ = [k for k in expected if not torch.equal(expected[k], got[k])]  # bitwise
+    # failed once in CI (1 in 5 runs, cause not found yet): the report names the forced step and the tensors
+    assert not differ, (
+        f"saved at step {forced.group(1)}: {len(differ)} tensors differ: {differ[:4]}",
+        out[-6000:],
+    )
