@@ -196,6 +196,7 @@ def rows(state: dict[str, Any], root: str, repeats: int) -> tuple[dict[str, floa
         committed.append(time.perf_counter() - start)
     out["vertexrt async save: caller blocked"] = statistics.median(blocked)
     out["vertexrt async save: until committed"] = statistics.median(committed)
+    clean()
     vx_save(False)(0)
     with CheckpointManager(os.path.join(root, "vx"), rank=0, world_size=1) as manager:
         out["vertexrt restore into CUDA targets"] = measure(lambda _: manager.restore(target=state), repeats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -61,3 +62,14 @@ def test_bar_counts_steps(capsys: pytest.CaptureFixture[str]) -> None:
     assert progress._bar.n == 5
     progress.close()
     assert "5/5" in capsys.readouterr().err
+
+
+def test_a_loss_tensor_that_requires_grad_is_shown_without_a_warning() -> None:
+    # train_step usually returns the loss itself; float() on it warns "Converting a tensor with
+    # requires_grad=True to a scalar" at every progress line unless it is detached first.
+    loss = (torch.ones(3, requires_grad=True) * 2).sum()
+    p = Progress(total_steps=10, interval=3600.0)
+    p.update(1, 4, {"loss": loss})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "loss=6" in p.line()

@@ -112,6 +112,8 @@ class Progress:
     def _metric_values(self) -> dict[str, float]:
         values = {}
         for name, value in (self._metrics or {}).items():
+            if callable(getattr(value, "detach", None)):  # a torch loss: no requires_grad warning
+                value = value.detach()
             try:
                 values[name] = float(value)
             except (TypeError, ValueError):
