@@ -212,7 +212,7 @@ def test_a_rest_emulator_without_a_storage_emulator_reads_with_list_rows(monkeyp
     ],
 )
 def test_a_saved_session_is_checked_before_it_is_used(record: Any, key: str) -> None:
-    from vertexrt.data.bigquery_storage import check_record
+    from vertexrt.data.bigquery_session import check_record
 
     with pytest.raises(DataError, match=f"data state's 'session'.*{re.escape(key)}"):
         check_record(record)
@@ -229,7 +229,7 @@ def _count_rank(rank: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
-    from vertexrt.data.bigquery_storage import shared_counts
+    from vertexrt.data.bigquery_session import shared_counts
 
     dist.init_process_group(
         "gloo",

@@ -97,7 +97,7 @@ class TableSession:
             if streams and saved and streams[0].session == saved["name"]:
                 self.stream_rows.update(enumerate(saved["counts"] or []))  # counted when it was saved
             elif streams and context.mid_epoch:
-                from vertexrt.data.bigquery_storage import log_new_session
+                from vertexrt.data.bigquery_session import log_new_session
 
                 log_new_session(self.table.table_id, saved, streams[0].session)
         elif (
@@ -222,7 +222,7 @@ class TableSession:
         known), or None before planning."""
         if not self.streams:
             return None
-        from vertexrt.data.bigquery_storage import session_record
+        from vertexrt.data.bigquery_session import session_record
 
         counts = [self.stream_rows.get(i) for i in range(len(self.streams))]
         known = None if None in counts else [n for n in counts if n is not None]
@@ -236,7 +236,7 @@ class TableSession:
 
     def checked(self, state: dict[str, Any]) -> dict[str, Any] | None:
         """A state's saved ``session``, checked (it must read this table with these columns and filter)."""
-        from vertexrt.data.bigquery_storage import check_record
+        from vertexrt.data.bigquery_session import check_record
 
         session = check_record(state.get("session"))
         if session and self.reader is not None:  # one of another table, columns or filter is a DataError
@@ -258,7 +258,7 @@ class TableSession:
             self.streams = reused
             self.stream_rows = dict(enumerate(session["counts"] or []))
         else:
-            from vertexrt.data.bigquery_storage import log_new_session
+            from vertexrt.data.bigquery_session import log_new_session
 
             log_new_session(self.table.table_id, session, planned[0].session)
 

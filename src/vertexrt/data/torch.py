@@ -149,7 +149,7 @@ class _SharedReadPlan:
 
     def apply(self, dataset: Dataset) -> None:
         """In a worker: read the streams (and their row counts) of the plan last published."""
-        from vertexrt.data.bigquery_storage import check_record
+        from vertexrt.data.bigquery_session import check_record
 
         size = int.from_bytes(bytes(self.buffer[:8].tolist()), "little")
         dataset.use_read_plan(check_record(json.loads(bytes(self.buffer[8 : 8 + size].numpy()).decode())))

@@ -104,7 +104,7 @@ class BigQuery(Format):
         Example:
             >>> streams = BigQuery(columns=["x"]).plan(parse_table("bq://p.d.t"), rank=0, world_size=1)
         """
-        from vertexrt.data.bigquery_storage import agree, read_request, shared_session
+        from vertexrt.data.bigquery_session import agree, read_request, shared_session
 
         def create() -> list[StreamSource]:
             reused = self.reuse(source, resume) if resume else None
@@ -135,7 +135,7 @@ class BigQuery(Format):
         Example:
             >>> fmt.reuse(table, check_record(state["session"])) or fmt.plan(table, rank, world_size)
         """
-        from vertexrt.data.bigquery_storage import reuse_session
+        from vertexrt.data.bigquery_session import reuse_session
 
         return reuse_session(source, record, self.columns, self.row_filter, self.project)
 
@@ -146,7 +146,7 @@ class BigQuery(Format):
         Example:
             >>> fmt.check_saved(table, check_record(state["session"]))
         """
-        from vertexrt.data.bigquery_storage import check_saved_request
+        from vertexrt.data.bigquery_session import check_saved_request
 
         check_saved_request(source, record, self.columns, self.row_filter)
 
@@ -165,7 +165,7 @@ class BigQuery(Format):
         Example:
             >>> streams = fmt.renew(table, streams, rank, world_size, mid_epoch=False)
         """
-        from vertexrt.data.bigquery_storage import RENEW_MARGIN, shared_session
+        from vertexrt.data.bigquery_session import RENEW_MARGIN, shared_session
 
         def create() -> list[StreamSource]:
             if mid_epoch or not streams or time.time() < streams[0].expires - RENEW_MARGIN:
@@ -195,7 +195,7 @@ class BigQuery(Format):
             >>> fmt.count_streams(fmt.plan(table, rank, world_size), rank, world_size)
             [25000, 25000, 50000]
         """
-        from vertexrt.data.bigquery_storage import shared_counts
+        from vertexrt.data.bigquery_session import shared_counts
 
         return shared_counts(lambda stream: self.count(stream, Errors()), streams, rank, world_size)
 
