@@ -141,7 +141,8 @@ class Context:
         It saves every 10 minutes (``EveryNSeconds(600)``), keeps the last 3, and has the fast tier
         :attr:`fast` (else the one ``VERTEXRT_FAST_CHECKPOINT_EVERY`` asks for, else none); assign another
         manager to change the policies, e.g.
-        ``ctx.checkpoints = CheckpointManager(save_policy=EveryNSteps(500))``.
+        ``ctx.checkpoints = CheckpointManager(save_policy=EveryNSteps(500))``. A ``YoungDaly`` part of its
+        save policy is given the job's mean time between failures from the attempt log (on the chief).
         """
         if self._checkpoints is None:
             from vertexrt.checkpoint import CheckpointManager, EveryNSeconds
@@ -153,11 +154,29 @@ class Context:
                 world_size=self.world_size,
                 fast=self.fast,
             )
+            self._tell_time_between_failures(self._checkpoints)
         return self._checkpoints
 
     @checkpoints.setter
     def checkpoints(self, manager: CheckpointManager) -> None:
         self._checkpoints = manager
+        self._tell_time_between_failures(manager)
+
+    def _tell_time_between_failures(self, manager: CheckpointManager) -> None:
+        """Give the parts of ``manager``'s save policy that learn it (``YoungDaly``) this job's mean time
+        between failures from the chief's attempt log (the chief decides clock-based saves)."""
+        from vertexrt.checkpoint.policies import observers
+
+        policy = getattr(manager, "save_policy", None)
+        learners = observers(policy, "observe_mtbf") if policy is not None else []
+        if not learners or self.rank != 0:
+            return
+        from vertexrt.runtime.attempts import job_mean_time_between_failures
+
+        observed = job_mean_time_between_failures(self.env.checkpoint_dir, rank=0, job=self.env.job_id)
+        if observed is not None:
+            for learner in learners:
+                learner.observe_mtbf(*observed)
 
     def use_fast_tier(self, fast: FastTier, *, option: str = "Context.use_fast_tier(fast)") -> None:
         """Give the default ``checkpoints`` manager the fast tier ``fast`` (before that manager is made).
