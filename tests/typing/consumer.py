@@ -10,7 +10,7 @@ import vertexrt
 import vertexrt.data
 import vertexrt.distributed
 from vertexrt import Context, Trainer, main
-from vertexrt.checkpoint import CheckpointManager, EveryNSteps, KeepLast, rng_state
+from vertexrt.checkpoint import CheckpointManager, EveryNSteps, FastTier, KeepLast, YoungDaly, rng_state
 from vertexrt.data import Dataset, open_dataset
 from vertexrt.distributed import Cluster, WorldInfo, cluster, world_info
 from vertexrt.errors import (
@@ -58,6 +58,7 @@ def environment() -> str:
         print(vertexrt.CheckpointCorruptError, vertexrt.data.open_dataset, vertexrt.errors.DataError)
 
 
-@main(framework="torch")
+@main(framework="torch", fast=FastTier(every=EveryNSteps(10), peers=1))
 def train(ctx: Context) -> None:
-    print(ctx.rank, ctx.is_chief, ctx.replica, Trainer)
+    print(ctx.rank, ctx.is_chief, ctx.replica, Trainer(ctx, fast=ctx.fast))
+    ctx.checkpoints = CheckpointManager(save_policy=YoungDaly(mtbf_seconds=86_400.0) | EveryNSteps(10_000))

@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "KeepPolicy": "vertexrt.checkpoint.policies",
     "CheckpointInfo": "vertexrt.checkpoint.policies",
     "LastSave": "vertexrt.checkpoint.policies",
+    "YoungDaly": "vertexrt.checkpoint.policies",
     "rng_state": "vertexrt.checkpoint.rng",
     "RngState": "vertexrt.checkpoint.rng",
     "PREEMPTED_EXIT_CODE": "vertexrt.preemption.signals",
@@ -58,6 +59,7 @@ __all__ = [
     "SavePolicy",
     "StepExistsError",
     "StorageError",
+    "YoungDaly",
     "rng_state",
 ]
 
@@ -76,6 +78,7 @@ if TYPE_CHECKING:
         KeepPolicy,
         LastSave,
         SavePolicy,
+        YoungDaly,
     )
     from vertexrt.checkpoint.rng import RngState, rng_state
     from vertexrt.checkpoint.tiers.config import FastTier

@@ -35,6 +35,7 @@ from vertexrt.checkpoint.policies import (
     KeepPolicy,
     LastSave,
     SavePolicy,
+    observe_save_cost,
 )
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.checkpoint.retention import Retention
@@ -540,11 +541,14 @@ class CheckpointManager:
         return loaded
 
     def _write_measured(self, *args: Any) -> None:
-        """:meth:`_write`, its rate reported to the fast tier (which sizes an emergency save with it)."""
+        """:meth:`_write`, its rate reported to the fast tier (which sizes an emergency save with it) and its
+        duration to the save policy (``YoungDaly`` learns the save cost)."""
         began = time.monotonic()
         self._write(*args)
+        seconds = time.monotonic() - began
         if self._fast is not None:
-            self._fast.observe_durable_write(sum(len(b) for b in args[3]), time.monotonic() - began)
+            self._fast.observe_durable_write(sum(len(b) for b in args[3]), seconds)
+        observe_save_cost(self.save_policy, seconds)
 
     # -- internals -----------------------------------------------------------------------------------------
 

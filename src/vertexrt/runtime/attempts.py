@@ -22,12 +22,16 @@ up is looping too. A record that cannot be read (cut by a SIGKILL, edited) is re
 removed, and the log starts afresh; a log that cannot be reached at all is a warning: the guard never turns
 a failure into another one. Off with ``VERTEXRT_CRASH_LOOP_GUARD=0``, and off for a run without a job ID
 (plain ``python train.py``: nothing restarts it).
+
+Each record also holds when its attempt started, so the log tells the job's mean time between failures
+(:func:`mean_time_between_failures`), which a ``YoungDaly`` checkpoint policy spaces durable saves by.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 import traceback
@@ -54,7 +58,8 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class Attempt:
     """How one attempt of a rank ended: ``failed`` (with the failure's fingerprint, its message cut to a
-    few hundred characters, and the last step reported) or ``preempted``."""
+    few hundred characters, and the last step reported) or ``preempted``; ``time`` when it ended, ``started``
+    when it began (0: not recorded)."""
 
     outcome: str
     job: str | None
@@ -63,6 +68,7 @@ class Attempt:
     error: str = ""
     replica: str = ""
     time: float = 0.0
+    started: float = 0.0
 
     def same_failure(self, other: Attempt) -> bool:
         """Both failed with the same fingerprint at the same step."""
@@ -133,6 +139,20 @@ class AttemptLog:
             return None
         return record if record.job == self.job else None
 
+    def history(self) -> list[Attempt]:
+        """This job's readable records, oldest first (at most :data:`KEPT_RECORDS`); unreadable ones are
+        skipped (``previous()`` reports and removes the newest when it is one)."""
+        records = []
+        for name in self._names():
+            try:
+                record = self._read(name)
+            except (ValueError, OSError, RecursionError) as err:
+                logger.debug("attempt record %s skipped: %s", self._uri(name), err)
+                continue
+            if record.job == self.job:
+                records.append(record)
+        return records
+
     def append(self, attempt: Attempt) -> str:
         """Write ``attempt`` as a new record (its own object); keep the newest :data:`KEPT_RECORDS`.
         Returns its URI."""
@@ -196,9 +216,10 @@ def _attempt(value: object) -> Attempt:
     text = {k: value.get(k) for k in ("fingerprint", "error", "replica")}
     if any(v is not None and not isinstance(v, str) for v in text.values()):
         raise ValueError("fingerprint, error and replica must be strings")
-    when = value.get("time", 0.0)
-    if isinstance(when, bool) or not isinstance(when, (int, float)):
-        raise ValueError("time is not a number")
+    when, started = value.get("time", 0.0), value.get("started", 0.0)
+    for name, number in (("time", when), ("started", started)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+            raise ValueError(f"{name} is not a number")
     return Attempt(
         outcome=outcome,
         job=job,
@@ -207,16 +228,18 @@ def _attempt(value: object) -> Attempt:
         error=text["error"] or "",
         replica=text["replica"] or "",
         time=float(when),
+        started=float(started),
     )
 
 
 class CrashLoopGuard:
     """What ``@main`` asks when an attempt ends: record it, and say whether it repeats the previous one."""
 
-    def __init__(self, log: AttemptLog, *, replica: str, rank: int) -> None:
+    def __init__(self, log: AttemptLog, *, replica: str, rank: int, started: float | None = None) -> None:
         self.log = log
         self.replica = replica
         self.rank = rank
+        self.started = time.time() if started is None else started  # this attempt's start
 
     def failed(self, err: BaseException, step: int | None) -> str | None:
         """Record the failure ``err`` after ``step``; the crash-loop message when the previous attempt of
@@ -234,7 +257,9 @@ class CrashLoopGuard:
         return CRASH_LOOP_EXIT_CODE
 
     def _judge(self, print_: str, error: str, step: int | None, evidence: str) -> str | None:
-        attempt = Attempt("failed", self.log.job, step, print_, error, self.replica, time.time())
+        attempt = Attempt(
+            "failed", self.log.job, step, print_, error, self.replica, time.time(), self.started
+        )
         previous = self._quietly(self.log.previous)
         self._quietly(lambda: self.log.append(attempt))
         if previous is None or not previous.same_failure(attempt):
@@ -251,7 +276,9 @@ class CrashLoopGuard:
 
     def preempted(self, step: int | None) -> None:
         """Record a preemption: it ends the chain of failures."""
-        attempt = Attempt("preempted", self.log.job, step, replica=self.replica, time=time.time())
+        attempt = Attempt(
+            "preempted", self.log.job, step, replica=self.replica, time=time.time(), started=self.started
+        )
         self._quietly(lambda: self.log.append(attempt))
 
     def _quietly(self, action: Callable[[], T]) -> T | None:
@@ -274,3 +301,33 @@ def guard(checkpoint_dir: str, *, rank: int, replica: str, job: str | None) -> C
     if not enabled() or not job:
         return None
     return CrashLoopGuard(AttemptLog.for_rank(checkpoint_dir, rank, job), replica=replica, rank=rank)
+
+
+def mean_time_between_failures(records: list[Attempt]) -> tuple[float, int] | None:
+    """``(seconds, failures)``: the uptime of ``records`` (those that know their start) per ``failed`` one
+    among them; None without such a failure. A preemption adds uptime, not a failure."""
+    known = [r for r in records if 0 < r.started <= r.time]
+    failures = sum(r.outcome == "failed" for r in known)
+    if not failures:
+        return None
+    return sum(r.time - r.started for r in known) / failures, failures
+
+
+def job_mean_time_between_failures(
+    checkpoint_dir: str, *, rank: int, job: str | None
+) -> tuple[float, int] | None:
+    """:func:`mean_time_between_failures` of ``rank``'s attempt log for ``job``; None when the guard is off
+    or the run has no job ID (nothing is recorded then), and when the log cannot be read (a warning)."""
+    if not enabled() or not job:
+        return None
+    log = AttemptLog.for_rank(checkpoint_dir, rank, job)
+    try:
+        return mean_time_between_failures(log.history())
+    except Exception as err:
+        logger.warning(
+            "the attempt log %s cannot be read (%s: %s): no observed time between failures",
+            log.directory,
+            type(err).__name__,
+            err,
+        )
+        return None

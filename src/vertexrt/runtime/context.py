@@ -22,7 +22,7 @@ from vertexrt.preemption.vote import StopVote
 from vertexrt.runtime.metrics import MetricsReporter
 
 if TYPE_CHECKING:
-    from vertexrt.checkpoint import CheckpointManager
+    from vertexrt.checkpoint import CheckpointManager, FastTier
     from vertexrt.distributed import Cluster
     from vertexrt.env import Environment
     from vertexrt.runtime.profiling import StepProfiler
@@ -43,6 +43,9 @@ class Context:
         args: the parsed arguments when ``@main`` was given a parser, else ``None``.
         strategy: the ``tf.distribute.Strategy`` for ``framework="tf"``, else ``None``.
         metrics: reports metrics to logs and hypertune (chief only).
+        fast: the fast tier (``vertexrt.checkpoint.FastTier``) of the default ``checkpoints`` manager, read
+            when that manager is made; ``None``: ``VERTEXRT_FAST_CHECKPOINT_EVERY`` decides. Given by
+            ``@vertexrt.main(fast=...)``, ``Trainer(fast=...)`` or ``Context.create(fast=...)``.
     """
 
     env: Environment
@@ -55,6 +58,7 @@ class Context:
     args: Any = None
     strategy: Any = None
     metrics: MetricsReporter = field(default_factory=lambda: MetricsReporter(is_chief=True))
+    fast: FastTier | None = None
     _checkpoints: CheckpointManager | None = field(default=None, repr=False)
     _notice: Subscription | None = field(default=None, repr=False)
     _vote: StopVote = field(default_factory=StopVote, repr=False)
@@ -75,8 +79,12 @@ class Context:
         local_rank: int | None = None,
         args: Any = None,
         strategy: Any = None,
+        fast: FastTier | None = None,
     ) -> Context:
         """Read the environment and the cluster now; ranks default to ``vertexrt.distributed.world_info()``.
+
+        ``fast``: the fast tier of the default ``checkpoints`` manager; it wins over
+        ``VERTEXRT_FAST_CHECKPOINT_EVERY`` / ``_PEERS``, which apply when it is None.
 
         With a process group of your own that the cluster variables do not describe and no ``LOCAL_RANK``,
         the local rank picks no GPU on a CPU ``device``: it is the rank when the cluster is one machine
@@ -85,7 +93,9 @@ class Context:
         Raises:
             ClusterSpecError: the cluster description (``CLUSTER_SPEC``, ``TF_CONFIG``, ...) is malformed, or
                 the local rank of a GPU process cannot be known.
+            ConfigError: ``fast`` is not a ``FastTier``.
         """
+        fast = checked_fast_tier(fast, "Context.create(fast=...)")
         from vertexrt.distributed import cluster as read_cluster
         from vertexrt.distributed import world_info
         from vertexrt.env import environment
@@ -111,6 +121,7 @@ class Context:
             args=args,
             strategy=strategy,
             metrics=MetricsReporter(is_chief=rank == 0),
+            fast=fast,
         )
 
     @property
@@ -127,8 +138,11 @@ class Context:
     def checkpoints(self) -> CheckpointManager:
         """The checkpoint manager on ``env.checkpoint_dir`` (``AIP_CHECKPOINT_DIR``), created on first use.
 
-        It saves every 10 minutes (``EveryNSeconds(600)``) and keeps the last 3; assign another manager to
-        change the policies, e.g. ``ctx.checkpoints = CheckpointManager(save_policy=EveryNSteps(500))``.
+        It saves every 10 minutes (``EveryNSeconds(600)``), keeps the last 3, and has the fast tier
+        :attr:`fast` (else the one ``VERTEXRT_FAST_CHECKPOINT_EVERY`` asks for, else none); assign another
+        manager to change the policies, e.g.
+        ``ctx.checkpoints = CheckpointManager(save_policy=EveryNSteps(500))``. A ``YoungDaly`` part of its
+        save policy is given the job's mean time between failures from the attempt log (on the chief).
         """
         if self._checkpoints is None:
             from vertexrt.checkpoint import CheckpointManager, EveryNSeconds
@@ -138,12 +152,58 @@ class Context:
                 save_policy=EveryNSeconds(600),
                 rank=self.rank,
                 world_size=self.world_size,
+                fast=self.fast,
             )
+            self._tell_time_between_failures(self._checkpoints)
         return self._checkpoints
 
     @checkpoints.setter
     def checkpoints(self, manager: CheckpointManager) -> None:
         self._checkpoints = manager
+        self._tell_time_between_failures(manager)
+
+    def _tell_time_between_failures(self, manager: CheckpointManager) -> None:
+        """Give the parts of ``manager``'s save policy that learn it (``YoungDaly``) this job's mean time
+        between failures from the chief's attempt log (the chief decides clock-based saves)."""
+        from vertexrt.checkpoint.policies import observers
+
+        policy = getattr(manager, "save_policy", None)
+        learners = observers(policy, "observe_mtbf") if policy is not None else []
+        if not learners or self.rank != 0:
+            return
+        from vertexrt.runtime.attempts import job_mean_time_between_failures
+
+        observed = job_mean_time_between_failures(self.env.checkpoint_dir, rank=0, job=self.env.job_id)
+        if observed is not None:
+            for learner in learners:
+                learner.observe_mtbf(*observed)
+
+    def use_fast_tier(self, fast: FastTier, *, option: str = "Context.use_fast_tier(fast)") -> None:
+        """Give the default ``checkpoints`` manager the fast tier ``fast`` (before that manager is made).
+
+        ``option`` names where ``fast`` came from in the errors (e.g. ``"Trainer(fast=...)"``).
+
+        Raises:
+            ConfigError: ``fast`` is not a ``FastTier``; the manager exists already; or this context was given
+                another fast tier before (e.g. by ``@vertexrt.main(fast=...)``).
+        """
+        from vertexrt.errors import ConfigError
+
+        tier = checked_fast_tier(fast, option)
+        if tier is None or tier == self.fast:
+            return
+        if self._checkpoints is not None:
+            raise ConfigError(
+                f"{option}: ctx.checkpoints (on {self._checkpoints.directory}) exists already, without this "
+                "fast tier; pass fast= before anything uses ctx.checkpoints, or make that manager with "
+                "CheckpointManager(..., fast=FastTier(...))"
+            )
+        if self.fast is not None:
+            raise ConfigError(
+                f"{option}: this context already has the fast tier {self.fast!r} (e.g. from "
+                "@vertexrt.main(fast=...)); give the fast tier in one place"
+            )
+        self.fast = tier
 
     @property
     def preempted(self) -> bool:
@@ -229,3 +289,21 @@ class Context:
                 self._checkpoints.close()
         finally:
             self.uninstall_preemption_handler()
+
+
+def checked_fast_tier(value: object, option: str) -> FastTier | None:
+    """``value`` when it is a ``vertexrt.checkpoint.FastTier`` or None.
+
+    Raises:
+        ConfigError: anything else, naming ``option`` (e.g. ``"@vertexrt.main(fast=...)"``).
+    """
+    from vertexrt.checkpoint.tiers.config import FastTier
+
+    if value is None or isinstance(value, FastTier):
+        return value
+    from vertexrt.errors import ConfigError
+
+    raise ConfigError(
+        f"{option}: got {value!r}; pass a vertexrt.checkpoint.FastTier, e.g. "
+        "FastTier(every=EveryNSteps(10)), or None"
+    )

@@ -35,11 +35,13 @@ from vertexrt.env import CRASH_LOOP_EXIT_CODE
 from vertexrt.errors import ConfigError
 from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE, UnpolledWatch, preemption_signal
 from vertexrt.runtime import attempts
-from vertexrt.runtime.context import Context
+from vertexrt.runtime.context import Context, checked_fast_tier
 from vertexrt.runtime.logs import setup_logging
 
 if TYPE_CHECKING:
     import argparse
+
+    from vertexrt.checkpoint import FastTier
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,7 @@ def main(
     preflight: bool = True,
     strategy: str = "auto",
     legacy_keras: bool | None = None,
+    fast: FastTier | None = None,
 ) -> Callable[[Callable[..., R]], Callable[..., R]]: ...
 
 
@@ -92,6 +95,7 @@ def main(
     preflight: bool = True,
     strategy: str = "auto",
     legacy_keras: bool | None = None,
+    fast: FastTier | None = None,
 ) -> Any:
     """Decorate the training function ``fn(ctx)`` or ``fn(ctx, args)``.
 
@@ -108,13 +112,20 @@ def main(
             ``strategy="multi_worker_mirrored"`` etc.; ``legacy_keras=True`` makes ``tf.keras`` tf-keras,
             which ``model.fit`` under MultiWorkerMirroredStrategy needs on TF 2.21 (Keras 3 fails there
             with "Attempt to convert a value (PerReplica...)"); ``False`` keeps Keras 3 without a warning.
+        fast: the fast checkpoint tier of ``ctx.checkpoints`` (``vertexrt.checkpoint.FastTier``: local disk
+            every few steps, plus a copy on a peer VM). It wins over ``VERTEXRT_FAST_CHECKPOINT_EVERY`` /
+            ``_PEERS``, which apply when it is None. A ``Trainer(ctx)`` uses it too.
 
     The decorated function takes an optional ``argv`` (default ``sys.argv[1:]``).
 
     Example:
         >>> @vertexrt.main(framework="tf", legacy_keras=True)  # doctest: +SKIP
         ... def train(ctx): ...
+
+    Raises:
+        ConfigError: an unknown ``framework``, TensorFlow options without it, or ``fast`` not a ``FastTier``.
     """
+    fast = checked_fast_tier(fast, "@vertexrt.main(fast=...)")
     if framework not in FRAMEWORKS:
         raise ConfigError(f"@vertexrt.main(framework={framework!r}): use 'torch', 'tf' or None")
     if framework != "tf" and (strategy != "auto" or legacy_keras is not None):
@@ -140,6 +151,7 @@ def main(
                 log_all_ranks=log_all_ranks,
                 preflight=preflight,
                 tf_options=tf_options,
+                fast=fast,
             )
 
         return run
@@ -170,8 +182,9 @@ def _run(
     log_all_ranks: bool,
     preflight: bool,
     tf_options: dict[str, Any],
+    fast: FastTier | None,
 ) -> R:
-    ctx = Context.create(framework)
+    ctx = Context.create(framework, fast=fast)
     undo_logging = _setup_logging(ctx, log_level, log_all_ranks)
     owns_process_group = failed = False
     notice, watch = preemption_signal(), None

@@ -92,7 +92,7 @@ from vertexrt.runtime.trainer_state import (
 from vertexrt.runtime.trainer_tensorboard import TrainerScalars
 
 if TYPE_CHECKING:
-    from vertexrt.checkpoint import CheckpointManager
+    from vertexrt.checkpoint import CheckpointManager, FastTier
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +115,9 @@ class Trainer(StateTracker):
         tensorboard: write metrics to ``AIP_TENSORBOARD_LOG_DIR`` from the chief (scalar events written by
             ``vertexrt.tensorboard_events``: no TensorFlow, torch writer or tensorboard package needed).
         preflight: run ``vertexrt.doctor.preflight`` at the start of ``fit()`` unless ``@main`` already did.
+        fast: a fast checkpoint tier (``vertexrt.checkpoint.FastTier``) for the default manager
+            ``ctx.checkpoints``; it wins over ``VERTEXRT_FAST_CHECKPOINT_EVERY``. With ``checkpoints=`` it is
+            a ConfigError: give that manager ``CheckpointManager(..., fast=FastTier(...))`` instead.
     """
 
     def __init__(
@@ -130,14 +133,22 @@ class Trainer(StateTracker):
         ddp: bool = True,
         tensorboard: bool = True,
         preflight: bool = True,
+        fast: FastTier | None = None,
     ) -> None:
         if max_epochs < 1 and max_steps is None:
             raise ConfigError(f"Trainer(max_epochs={max_epochs}): give max_epochs >= 1 or max_steps")
         if eval_every is not None and eval_every < 1:
             raise ConfigError(f"Trainer(eval_every={eval_every}): give a number of steps >= 1, or None")
         self.ctx = ctx if ctx is not None else Context.create()
+        if checkpoints is not None and fast is not None:
+            raise ConfigError(
+                "Trainer(checkpoints=..., fast=...): the fast tier belongs to the manager; pass "
+                "CheckpointManager(..., fast=FastTier(...)) as checkpoints= and drop fast="
+            )
         if checkpoints is not None:
             self.ctx.checkpoints = checkpoints
+        if fast is not None:
+            self.ctx.use_fast_tier(fast, option="Trainer(fast=...)")
         self.max_epochs = max_epochs
         self.max_steps = max_steps
         self.eval_every = eval_every
