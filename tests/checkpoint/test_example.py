@@ -20,7 +20,8 @@ def _run(directory: str, *extra: str) -> subprocess.CompletedProcess:
 
 
 def _interrupt(directory: str, sig: int, after_saves: int) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, EXAMPLE, "--dir", directory, "--steps", "80", "--every", "10", "--sleep", "0.02"]
+    slow = ["--steps", "80", "--every", "10", "--sleep", "0.02"]  # time to interrupt it
+    command = [sys.executable, EXAMPLE, "--dir", directory, *slow]
 
     def saved(out: str) -> bool:
         lines = out.splitlines(keepends=True)

@@ -29,7 +29,9 @@ def test_every_record_of_a_workers_share_reaches_its_replica(tmp_path, id_files)
         for index in range(2):
             tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
             command = [sys.executable, str(WORKER), f"{tmp_path}/part-*.jsonl", str(index)]
-            workers.append(running.enter_context(start_job(command, env={**os.environ, "TF_CONFIG": tf_config})))
+            workers.append(
+                running.enter_context(start_job(command, env={**os.environ, "TF_CONFIG": tf_config}))
+            )
         results = []
         for job in workers:
             done = job.wait(180)
