@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import subprocess
 import sys
 
 import pytest
+from jobs import run_job
 
 from vertexrt import devices, gpus
 from vertexrt.devices import GPU, filter_visible, parse_nvidia_smi, select_device, visible_devices
@@ -127,7 +127,7 @@ def test_each_module_imports_alone_and_devices_is_one_way(
     module: str, must_not_load: tuple[str, ...]
 ) -> None:
     code = f"import sys, {module}; print([m for m in {list(must_not_load)!r} if m in sys.modules])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_job([sys.executable, "-c", code], None, 60, merge_stderr=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
