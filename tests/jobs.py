@@ -1,9 +1,16 @@
 """The tests' process runner: a test that starts a job, a process tree or ranks starts it through here.
 
 - :func:`run_job`: a command as a user would run it, in its own process group, killed whole if it overruns.
+- :func:`start_job`: the same, running while the test acts on it: wait for its output, signal it, then
+  :meth:`Job.wait` with a deadline; whatever still runs when the ``with`` block ends is killed.
 - :func:`run_tree`: a command that may start a process tree (``local-run``), stopped on cue, and proof that
   no process of the tree survives it.
 - :func:`run_ranks`: one worker script as ``world`` real processes (gloo ranks) sharing one free port.
+
+Worker scripts: a program a test starts (a rank, a training run, a replica) is a file in the ``scripts/``
+folder beside the test (``tests/runtime/scripts/crash_at.py``, ``tests/scripts/...`` for top-level tests), run
+by path with its inputs as arguments. An inline ``python -c`` string is for a probe of a few lines (what an
+import loads); longer programs are not written into tests as strings.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 import pytest
 
@@ -27,9 +35,137 @@ from vertexrt._net import free_port
 TESTS = Path(__file__).resolve().parent
 
 
+class Job:
+    """A command started by :func:`start_job`, in its own process group; stdout (and stderr, merged or apart)
+    read as it arrives, partial lines included."""
+
+    def __init__(
+        self, command: Sequence[str], cwd: Path | None, env: Mapping[str, str] | None, merge_stderr: bool
+    ) -> None:
+        self.command = list(command)
+        self._proc = subprocess.Popen(
+            self.command,
+            cwd=cwd,
+            env=None if env is None else dict(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+            start_new_session=True,
+        )
+        self._stdout: list[bytes] = []
+        self._stderr: list[bytes] = []
+        self._arrived = threading.Condition()
+        streams = [(self._proc.stdout, self._stdout), (self._proc.stderr, self._stderr)]
+        self._readers = [
+            threading.Thread(target=self._read, args=(stream, into), daemon=True)
+            for stream, into in streams
+            if stream is not None
+        ]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream: object, into: list[bytes]) -> None:
+        fd = stream.fileno()  # type: ignore[attr-defined]
+        while chunk := os.read(fd, 1 << 16):
+            with self._arrived:
+                into.append(chunk)
+                self._arrived.notify_all()
+        with self._arrived:
+            self._arrived.notify_all()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def output(self) -> str:
+        """Its stdout so far (with stderr, unless started with ``merge_stderr=False``)."""
+        with self._arrived:
+            return b"".join(self._stdout).decode(errors="replace")
+
+    @property
+    def errors(self) -> str:
+        """Its stderr so far, when started with ``merge_stderr=False``."""
+        with self._arrived:
+            return b"".join(self._stderr).decode(errors="replace")
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the job's first process (not its group)."""
+        self._proc.send_signal(sig)
+
+    def kill(self) -> None:
+        """SIGKILL the job's first process only: no teardown of its own runs."""
+        self._proc.kill()
+        self._proc.wait()
+
+    def wait_for(self, ready: str | Callable[[str], bool], timeout: float) -> str:
+        """Wait until :attr:`output` contains ``ready`` (or ``ready(output)`` is true) and return it; fail the
+        test if the job's output ends first or ``timeout`` seconds pass."""
+        check = ready if callable(ready) else (lambda out: ready in out)
+        deadline = time.monotonic() + timeout
+        with self._arrived:
+            while True:
+                output = b"".join(self._stdout).decode(errors="replace")
+                if check(output):
+                    return output
+                left = deadline - time.monotonic()
+                if left <= 0 or not any(r.is_alive() for r in self._readers):
+                    break
+                self._arrived.wait(min(left, 1.0))
+        pytest.fail(f"{self.command}: no {ready!r} in its output after {timeout} s:\n{output[-5000:]}")
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess[str]:
+        """Wait for the job to exit and its output to end; on timeout its whole process group is killed and
+        the test fails with the output's tail."""
+        deadline = time.monotonic() + timeout
+        try:
+            self._proc.wait(timeout)
+            for reader in self._readers:
+                reader.join(max(deadline - time.monotonic(), 0))
+            if any(r.is_alive() for r in self._readers):
+                raise subprocess.TimeoutExpired(self.command, timeout)
+        except subprocess.TimeoutExpired:
+            self._kill_group()  # a launcher's reaper then ends its replicas
+            for reader in self._readers:
+                reader.join(30)
+            pytest.fail(
+                f"{self.command} did not finish in {timeout} s:\n{self.output[-5000:]}{self.errors[-5000:]}"
+            )
+        return subprocess.CompletedProcess(self.command, self._proc.returncode, self.output, self.errors)
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # the group is gone already
+        self._proc.wait()
+
+    def __enter__(self) -> Job:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        if self._proc.poll() is None:
+            self._kill_group()
+
+
+def start_job(
+    command: Sequence[str],
+    cwd: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    merge_stderr: bool = True,
+) -> Job:
+    """Start ``command`` as a :class:`Job`; use it as a context manager so that it never outlives the test."""
+    return Job(command, cwd, env, merge_stderr)
+
+
 def run_job(
     command: list[str],
-    cwd: Path,
+    cwd: Path | None,
     timeout: float,
     env: Mapping[str, str] | None = None,
     *,
@@ -37,24 +173,9 @@ def run_job(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``command``, stdout and stderr merged (or apart with ``merge_stderr=False``, for tests that check
     what went to which); on timeout its whole process group is killed and the test fails with the output's
-    tail."""
-    proc = subprocess.Popen(
-        command,
-        cwd=cwd,
-        env=None if env is None else dict(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
-        text=True,
-        errors="replace",
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # a launcher's reaper then ends its replicas
-        out, err = proc.communicate()
-        pytest.fail(f"{command} did not finish in {timeout} s:\n{out[-5000:]}{(err or '')[-5000:]}")
-    return subprocess.CompletedProcess(command, proc.returncode, out, err or "")
+    tail. ``cwd=None``: the test's own."""
+    with start_job(command, cwd, env, merge_stderr=merge_stderr) as job:
+        return job.wait(timeout)
 
 
 MARK = "VERTEXRT_TEST_MARK"
@@ -169,13 +290,22 @@ def run_tree(
     return Run(proc.returncode, b"".join(lines).decode(errors="replace"))
 
 
-def run_ranks(script: str, world: int, argv: Callable[[int, int], list[str]]) -> list[tuple[int, str, str]]:
+def run_ranks(
+    script: str,
+    world: int,
+    argv: Callable[[int, int], list[str]],
+    *,
+    timeout: float = 120,
+    env: Mapping[str, str] | None = None,
+) -> list[tuple[int, str, str]]:
     """Run the Python file ``script`` as ``world`` real processes, ``argv(rank, port)`` each with one free
-    port for all; (returncode, stdout, stderr) per rank. Every process is killed if the test gives up. The
-    script's folder and ``tests/`` (``rank_exit``) are on its ``sys.path``."""
+    port for all; (returncode, stdout, stderr) per rank, each waited for at most ``timeout`` seconds. Every
+    process is killed if the test gives up. The script's folder and ``tests/`` (``rank_exit``) are on its
+    ``sys.path``; ``env`` (default: this process's) is the rest of its environment."""
     port = free_port()
-    path = [os.path.dirname(os.path.abspath(script)), str(TESTS), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    base = os.environ if env is None else env
+    path = [os.path.dirname(os.path.abspath(script)), str(TESTS), base.get("PYTHONPATH", "")]
+    env = dict(base, PYTHONPATH=os.pathsep.join(path))
     command = [sys.executable, script]
     procs = [
         subprocess.Popen(
@@ -184,7 +314,7 @@ def run_ranks(script: str, world: int, argv: Callable[[int, int], list[str]]) ->
         for rank in range(world)
     ]
     try:
-        outputs = [proc.communicate(timeout=120) for proc in procs]
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
     finally:
         for proc in procs:
             if proc.poll() is None:

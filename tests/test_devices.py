@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import stat
-import subprocess
 import sys
 
 import pytest
+from jobs import run_job
 
-from vertexrt import devices
+from vertexrt import devices, gpus
 from vertexrt.devices import GPU, filter_visible, parse_nvidia_smi, select_device, visible_devices
 from vertexrt.errors import ConfigError
 
@@ -114,9 +114,11 @@ def test_nccl_defaults_only_fill_what_is_unset() -> None:
     ("module", "must_not_load"),
     [
         ("vertexrt.devices", ()),
-        # world detection sits below devices (tests/test_layers.py); the torch bootstrap above it uses it
+        # devices asks distributed/ for the world; distributed/'s bootstraps take their GPU from
+        # vertexrt.gpus, below both (tests/test_layers.py): no package leans back on devices
+        ("vertexrt.gpus", ("vertexrt.distributed",)),
         ("vertexrt.distributed.detection", ("vertexrt.devices",)),
-        ("vertexrt.distributed.torch", ()),
+        ("vertexrt.distributed.torch", ("vertexrt.devices",)),
         ("vertexrt.distributed.launcher", ()),
         ("vertexrt.distributed", ("vertexrt.devices",)),
     ],
@@ -125,7 +127,7 @@ def test_each_module_imports_alone_and_devices_is_one_way(
     module: str, must_not_load: tuple[str, ...]
 ) -> None:
     code = f"import sys, {module}; print([m for m in {list(must_not_load)!r} if m in sys.modules])"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = run_job([sys.executable, "-c", code], None, 60, merge_stderr=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -138,7 +140,7 @@ def _fake_smi(tmp_path, monkeypatch) -> None:
     for name in ("torch", "tensorflow"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    monkeypatch.setattr(devices, "_warned_unused", set())
+    monkeypatch.setattr(gpus, "_warned_unused", set())
 
 
 def test_one_process_with_several_gpus_warns_how_to_use_them(

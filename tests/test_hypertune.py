@@ -6,17 +6,15 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import hypertune as cloudml_hypertune
 import pytest
+from jobs import run_ranks
 
 from vertexrt import hypertune
-from vertexrt._net import free_port
 from vertexrt.errors import ConfigError, MetricError
 
 FIXED_TIME = 1795306516.4312345
@@ -214,46 +212,15 @@ def test_worker_replica_does_not_write(metric_env, vertex_env):
     assert json.loads(path.read_text())["trial"] == "2"
 
 
-_WORKER = textwrap.dedent(
-    """
-    import os, sys
-    import torch.distributed as dist
-    from vertexrt import hypertune
-    rank = int(sys.argv[1])
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=2)
-    os.environ["CLOUD_ML_HP_METRIC_FILE"] = os.path.join(sys.argv[3], f"rank{rank}", "output.metrics")
-    print(hypertune.report("accuracy", 0.5 + rank, step=1))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # see tests/rank_exit.py: torch may abort its gloo teardown at interpreter exit
-    """
-)
-
-
 @pytest.mark.slow
 def test_only_torch_rank0_reports(tmp_path):
     pytest.importorskip("torch")
-    port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG", "RANK")}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _WORKER, str(rank), port, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=60)[0].strip() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0]
-    assert outs == ["True", "False"]
+    script = str(Path(__file__).resolve().parent / "scripts" / "hypertune_rank.py")
+    argv = lambda rank, port: [str(rank), str(port), str(tmp_path)]  # noqa: E731
+    results = run_ranks(script, 2, argv, timeout=60, env=env)
+    assert [code for code, _, _ in results] == [0, 0], [err[-3000:] for _, _, err in results]
+    assert [out.strip() for _, out, _ in results] == ["True", "False"]
     assert (tmp_path / "rank0" / "output.metrics").exists()
     assert not (tmp_path / "rank1").exists()
 

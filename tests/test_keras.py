@@ -9,76 +9,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
+from jobs import Job, run_job, start_job
 
 pytest.importorskip("tensorflow")
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
 PREEMPTED = 128 + signal.SIGTERM
-
-TRAIN = textwrap.dedent(
-    """
-    import json, os, signal, sys
-    import numpy as np
-    import tensorflow as tf
-    from vertexrt import keras as vk
-    from vertexrt.checkpoint import CheckpointManager, EveryNSteps
-
-    ckpt_dir, out, kill_at, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    tf.keras.utils.set_random_seed(0)
-    tf.config.experimental.enable_op_determinism()
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(96, 4)).astype("float32")
-    y = (x[:, 0] + x[:, 1] > 0).astype("int64")
-    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(8, activation="relu"),
-                                 tf.keras.layers.Dense(2)])
-    model.compile(optimizer=tf.keras.optimizers.Adam(0.01),
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-    manager = CheckpointManager(ckpt_dir, save_policy=EveryNSteps(3))
-    ckpt = vk.CheckpointCallback(manager)
-    position = ckpt.restore(model)
-    # 6 batches per pass over the data, 5 steps per epoch: epochs and passes do not line up
-    data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(96, seed=1).batch(16)
-    data = data.repeat().skip(position.step)
-    seen = []
-    def on_batch(batch, logs):
-        seen.append([int(model.optimizer.iterations.numpy()), batch])
-        if int(model.optimizer.iterations.numpy()) == kill_at:
-            os.kill(os.getpid(), signal.SIGTERM)
-    record = tf.keras.callbacks.LambdaCallback(on_train_batch_end=on_batch)
-    preemption = vk.PreemptionCallback(manager)
-    try:
-        model.fit(data, epochs=epochs, steps_per_epoch=5, verbose=0,
-                  callbacks=[ckpt, preemption, vk.HypertuneCallback("accuracy"), record])
-    finally:
-        with open(out, "w") as f:
-            json.dump({"position": list(position), "seen": seen, "preempted": preemption.preempted,
-                       "iterations": int(model.optimizer.iterations.numpy()),
-                       "weights": [w.tolist() for w in model.get_weights()]}, f)
-    manager.close()
-    """
-)
-
-
-# The same training fed by a vertexrt reader through CheckpointCallback(data=...).as_tf(): 100 records per
-# data epoch, 16 per step (6.25 steps), 5 steps per Keras epoch: nothing lines up, and no skip arithmetic.
-TRAIN_READER = TRAIN.replace(
-    "ckpt = vk.CheckpointCallback(manager)\n",
-    "from vertexrt.data import open_dataset\n"
-    "reader = open_dataset(os.environ['DATA_URI'], shuffle=True, seed=3, shuffle_buffer=32)\n"
-    "ckpt = vk.CheckpointCallback(manager, data=reader)\n",
-).replace(
-    "data = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(96, seed=1).batch(16)\n"
-    "data = data.repeat().skip(position.step)\n",
-    "data = ckpt.as_tf(16).map(lambda b: (b['x'], b['y']))\n",
-)
-assert TRAIN_READER.count("ckpt.as_tf") == 1 and "open_dataset" in TRAIN_READER
 
 
 def _run(
@@ -90,7 +33,7 @@ def _run(
     epochs: int = 3,
     data_uri: str | None = None,
 ):
-    """Start one training process; returns (process, result file, metric file)."""
+    """Start one training process; returns (job, result file, metric file)."""
     env = dict(os.environ)
     env.update(
         TF_USE_LEGACY_KERAS="1" if legacy else "0",
@@ -101,27 +44,17 @@ def _run(
     for var in ("CLUSTER_SPEC", "TF_CONFIG", "RANK", "WORLD_SIZE", "MASTER_ADDR"):
         env.pop(var, None)
     out = tmp_path / f"{name}.json"
-    script = TRAIN
+    env.pop("DATA_URI", None)
     if data_uri is not None:
-        env["DATA_URI"], script = data_uri, TRAIN_READER
-    proc = subprocess.Popen(
-        [sys.executable, "-c", script, ckpt_dir, str(out), str(kill_at), str(epochs)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return proc, out, tmp_path / name / "output.metrics"
+        env["DATA_URI"] = data_uri
+    command = [sys.executable, str(SCRIPTS / "keras_train.py"), ckpt_dir, str(out), str(kill_at), str(epochs)]
+    return start_job(command, env=env), out, tmp_path / name / "output.metrics"
 
 
-def _finish(proc, out: Path, expect: int) -> dict:
-    try:
-        log, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == expect, log[-3000:]
+def _finish(job: Job, out: Path, expect: int) -> dict:
+    with job:
+        done = job.wait(120)
+    assert done.returncode == expect, done.stdout[-3000:]
     return json.loads(out.read_text())
 
 
@@ -224,20 +157,16 @@ def test_example_multiworker_preempted_then_resumed(tmp_path):
         sys.executable, str(ROOT / "examples" / "keras_classifier.py"),
         "--epochs", "3", "--steps_per_epoch", "30", "--checkpoint_every", "10",
     ]  # fmt: skip
-    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with start_job(cmd, env=env) as launcher:
         deadline = time.monotonic() + 120
         while not list(base.glob("checkpoints/step_*/manifest.json")) and launcher.poll() is None:
             assert time.monotonic() < deadline, "no checkpoint was committed"
             time.sleep(0.05)
         for pid in _children(launcher.pid):
             os.kill(pid, signal.SIGTERM)  # a preemption: every replica at once
-        log, _ = launcher.communicate(timeout=180)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-    assert launcher.returncode == 0, log[-4000:]
+        done = launcher.wait(180)
+    log = done.stdout
+    assert done.returncode == 0, log[-4000:]
     assert "preemption: saving step" in log
     assert "restarting the whole job" in log
     assert "resuming from" in log
@@ -249,39 +178,16 @@ def test_example_multiworker_preempted_then_resumed(tmp_path):
     assert steps[-1] == "3"
 
 
-OUTPUTS = textwrap.dedent(
-    """
-    import json, os, sys
-    import numpy as np
-    import tensorflow as tf
-    from vertexrt import keras as vk, paths
-
-    root, out = sys.argv[1], sys.argv[2]
-    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
-    y = (x[:, 0] > 0).astype("int64")
-    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
-    model.compile(optimizer="sgd", loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    board = vk.TensorBoard(paths.join(root, "logs"), upload_interval=3600)
-    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[board])
-    where = vk.export(model, paths.join(root, "model"))
-    fs, base = paths.filesystem(root)
-    with open(out, "w") as f:
-        json.dump({"where": where, "files": sorted(p[len(base):] for p in fs.find(base)),
-                   "scratch": board.log_dir}, f)
-    """
-)
-
-
 def _outputs(tmp_path: Path, root: str, **env_vars: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG")}
     env.update(TF_CPP_MIN_LOG_LEVEL="2", **env_vars)
     out = tmp_path / "outputs.json"
-    proc = subprocess.run(
-        [sys.executable, "-c", OUTPUTS, root, str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = run_job(
+        [sys.executable, str(SCRIPTS / "keras_outputs.py"), root, str(out)],
+        None,
+        120,
+        env,
+        merge_stderr=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -320,63 +226,6 @@ def test_non_chief_saves_but_writes_nothing_to_the_output_dirs(tmp_path):
     assert not os.path.exists(result["scratch"])
 
 
-LAMBDA_EXPORT = textwrap.dedent(
-    """
-    import json, os, sys
-    import numpy as np
-    import tensorflow as tf
-    from vertexrt import keras as vk
-
-    def build():  # the Lambda closes over modules, as `import ...` inside a model builder makes it
-        import tensorflow as tfl
-        scale = np
-        return tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(3),
-                                    tf.keras.layers.Lambda(lambda t: tfl.abs(t) * scale.float32(2)),
-                                    tf.keras.layers.Dense(2)])
-
-    root = sys.argv[1]
-    x = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
-    model = build()
-    model.compile(optimizer="sgd", loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    model.fit(x, (x[:, 0] > 0).astype("int64"), batch_size=8, epochs=1, verbose=0)
-    result = {}
-    names = {"default": None, "named": "savedmodel", "h5": "model.h5", "keras": "model.keras"}
-    for name, filename in names.items():
-        where = vk.export(model, os.path.join(root, name), filename=filename)
-        served = None
-        if os.path.isfile(os.path.join(where, "saved_model.pb")):
-            outputs = tf.saved_model.load(where).signatures["serving_default"](tf.constant(x[:5]))
-            served = bool(np.allclose(next(iter(outputs.values())).numpy(), model(x[:5]).numpy()))
-        files = sorted(os.listdir(os.path.join(root, name)))
-        result[name] = {"where": os.path.relpath(where, root), "files": files, "served": served}
-    print("RESULT " + json.dumps(result))
-    """
-)
-
-
-PREEMPTED_WITH_TENSORBOARD = textwrap.dedent(
-    """
-    import signal, sys
-    import numpy as np
-    import tensorflow as tf
-    from vertexrt import keras as vk
-    from vertexrt.checkpoint import CheckpointManager
-
-    class Notice(tf.keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch == 2:
-                signal.raise_signal(signal.SIGTERM)  # the preemption notice, mid-epoch
-
-    manager = CheckpointManager(sys.argv[1])
-    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
-    model.compile("sgd", "mse")
-    x, y = np.zeros((64, 4), "float32"), np.zeros((64, 2), "float32")
-    callbacks = [vk.TensorBoard(sys.argv[2]), Notice(), vk.PreemptionCallback(manager)]
-    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
-    """
-)
-
-
 @pytest.mark.slow
 def test_export_writes_a_servable_saved_model_of_a_lambda_model_under_tf_keras(tmp_path):
     """vk.export(model) of a tf-keras model whose Lambda closes over modules (a sample's "cannot pickle
@@ -386,13 +235,8 @@ def test_export_writes_a_servable_saved_model_of_a_lambda_model_under_tf_keras(t
     pytest.importorskip("tf_keras")
     env = {k: v for k, v in os.environ.items() if k not in ("CLUSTER_SPEC", "TF_CONFIG")}
     env.update(TF_USE_LEGACY_KERAS="1", TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(
-        [sys.executable, "-c", LAMBDA_EXPORT, str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    command = [sys.executable, str(SCRIPTS / "keras_lambda_export.py"), str(tmp_path)]
+    proc = run_job(command, None, 120, env, merge_stderr=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     top = ["fingerprint.pb", "saved_model.pb", "variables"]  # where Vertex serving looks for saved_model.pb
@@ -407,14 +251,10 @@ def test_export_writes_a_servable_saved_model_of_a_lambda_model_under_tf_keras(t
 def test_a_stalled_tensorboard_upload_never_holds_a_preempted_exit(tmp_path, fault_proxy):
     """The PreemptionCallback saves and exits 143; the TensorBoard events' last upload (at exit) cannot reach
     Cloud Storage: the exit waits for it a bounded time instead of until Vertex's SIGKILL."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from jobs import run_job
-
     from vertexrt.tensorboard import PREEMPTED_UPLOAD_SECONDS
 
     fault_proxy.set("stall")  # every Cloud Storage request from now on gets no answer
-    script = tmp_path / "train.py"
-    script.write_text(PREEMPTED_WITH_TENSORBOARD)
+    script = SCRIPTS / "keras_preempted_tensorboard.py"
     logs = f"gs://vertexrt-test/{tmp_path.name}/logs"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "VERTEXRT_HANG_TIMEOUT": "off"}
     done = run_job([sys.executable, str(script), str(tmp_path / "ckpt"), logs], tmp_path, 120, env)
@@ -433,9 +273,6 @@ def _readme_keras_snippet() -> str:
 def test_the_readme_keras_snippet_ends_its_epochs(tmp_path):
     """The README's Keras snippet as written (its data local files): 2 epochs of one data epoch each,
     validation included, end; before, fit read the endless stream as one epoch forever."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from jobs import run_job
-
     for name, count in (("train-0.jsonl", 64), ("val-0.jsonl", 30)):
         lines = [json.dumps({"x": [i / 100, 1.0, -1.0, 0.5], "y": i % 3}) for i in range(count)]
         (tmp_path / name).write_text("\n".join(lines) + "\n")

@@ -4,8 +4,10 @@ The graph is built with :mod:`ast` from every ``.py`` file under ``src/vertexrt`
 imports inside functions alike (a function-level import runs as surely as a top-level one, it only runs
 later), ``from x import y`` resolved to the module ``x.y`` when that is a module. Imports under
 ``if TYPE_CHECKING:`` never run: they are left out of the cycle check but kept in the layer check (a type
-named from a higher layer is still a dependency on it). Each failure lists every offending import with its
-file and line.
+named from a higher layer is still a dependency on it). The same graph folded to packages
+(``vertexrt.<room>``: ``checkpoint``, ``distributed``, ``devices``...) has no cycle either: two rooms never
+lean on each other, even through different files. Each failure lists every offending import with its file
+and line.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors",),
     ("env", "uris"),
     ("paths", "retries", "clients", "emulator"),
+    ("gpus",),  # which GPU a local rank takes, from counts it is given: no world, so below distributed/
     ("distributed",),  # world detection, the cluster model and its sources, CPU collectives, rendezvous
     ("devices",),  # asks distributed/ which local rank this process is
     # the framework bootstraps pick this process's device, and local-run starts them
@@ -180,6 +183,21 @@ def cycles(edges: list[Import]) -> list[list[str]]:
     return found
 
 
+def room_of(module: str) -> str:
+    """The top-level package or module of ``vertexrt`` that ``module`` lives in (``vertexrt.distributed``
+    for ``vertexrt.distributed.torch``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def rooms(edges: list[Import]) -> list[Import]:
+    """``edges`` folded to :func:`room_of` both ends, imports within one room left out."""
+    folded = [
+        Import(room_of(e.source), room_of(e.target), e.path, e.line, e.in_function, e.type_only)
+        for e in edges
+    ]
+    return [e for e in folded if e.source != e.target]
+
+
 def upward(edges: list[Import]) -> list[Import]:
     """Imports from a module to one in a higher layer. A package's ``__init__`` may name its own members
     (it re-exports them lazily; its layer is that of the package's lowest part, which others import)."""
@@ -203,6 +221,17 @@ def test_no_import_cycle():
     for component in found:
         members = set(component)
         report.append("cycle: " + ", ".join(component))
+        report += [f"    {e}" for e in edges if e.source in members and e.target in members]
+    assert not found, "\n".join(report)
+
+
+def test_no_import_cycle_between_packages():
+    edges = rooms([e for e in imports() if not e.type_only])
+    found = cycles(edges)
+    report = []
+    for component in found:
+        members = set(component)
+        report.append("cycle between packages: " + ", ".join(component))
         report += [f"    {e}" for e in edges if e.source in members and e.target in members]
     assert not found, "\n".join(report)
 
@@ -233,3 +262,19 @@ def test_graph_sees_function_level_and_relative_imports(tmp_path, monkeypatch):
     }
     assert cycles(edges) == [["vertexrt.errors", "vertexrt.runtime.entry", "vertexrt.runtime.other"]]
     assert [(e.source, e.target) for e in upward(edges)] == [("vertexrt.errors", "vertexrt.runtime.entry")]
+
+
+def test_packages_fold_a_cycle_that_no_file_closes(tmp_path, monkeypatch):
+    """The checker itself: ``a.low`` -> ``b`` -> ``a.high`` has no file-level cycle, but rooms a and b lean on
+    each other."""
+    package = tmp_path / PACKAGE
+    (package / "a").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "a" / "__init__.py").write_text("")
+    (package / "a" / "low.py").write_text("")
+    (package / "a" / "high.py").write_text("from vertexrt import b\n")
+    (package / "b.py").write_text("from vertexrt.a import low\n")
+    monkeypatch.setitem(globals(), "SRC", tmp_path)
+    edges = imports()
+    assert cycles(edges) == []
+    assert cycles(rooms(edges)) == [["vertexrt.a", "vertexrt.b"]]

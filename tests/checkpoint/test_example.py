@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import run_job
+from jobs import run_job, start_job
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "checkpoint_resume.py")
 
@@ -19,22 +19,18 @@ def _run(directory: str, *extra: str) -> subprocess.CompletedProcess:
     return run_job(command, Path(directory).parent, 120, merge_stderr=False)
 
 
-def _interrupt(directory: str, sig: int, after_saves: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, EXAMPLE, "--dir", directory, "--steps", "80", "--every", "10", "--sleep", "0.02"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    saves = 0
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        saves += line.startswith("saving step")
-        if saves >= after_saves:
-            proc.send_signal(sig)
-            break
-    proc.communicate(timeout=60)
-    return proc
+def _interrupt(directory: str, sig: int, after_saves: int) -> subprocess.CompletedProcess[str]:
+    slow = ["--steps", "80", "--every", "10", "--sleep", "0.02"]  # time to interrupt it
+    command = [sys.executable, EXAMPLE, "--dir", directory, *slow]
+
+    def saved(out: str) -> bool:
+        lines = out.splitlines(keepends=True)
+        return sum(line.startswith("saving step") and line.endswith("\n") for line in lines) >= after_saves
+
+    with start_job(command, Path(directory).parent, merge_stderr=False) as job:
+        job.wait_for(saved, 60)
+        job.signal(sig)
+        return job.wait(60)
 
 
 @pytest.mark.slow

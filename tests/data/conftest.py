@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pytest
+from storage_bytes import write_bytes
 
 from vertexrt import paths
 from vertexrt.data import open_dataset
@@ -15,15 +16,10 @@ from vertexrt.data import open_dataset
 SIZES_7 = [5, 50, 1, 0, 33, 120, 7]  # uneven, one empty: 216 records
 
 
-def write_bytes(uri: str, data: bytes) -> str:
-    with paths.open(uri, "wb") as f:
-        f.write(data)
-    return uri
-
-
-def read_all(uri: str, **kw: object) -> list[object]:
-    """Every record of ``uri`` in order, as one reader of one (no shuffle); ``kw``: ``open_dataset``'s."""
-    return list(open_dataset(uri, shuffle=False, rank=0, world_size=1, **kw))  # type: ignore[arg-type]
+def read_all(uri: str, **kw: Any) -> list[Any]:
+    """Every record of ``uri`` in order, as one reader of one (no shuffle) unless ``kw`` says otherwise;
+    ``kw``: ``open_dataset``'s."""
+    return list(open_dataset(uri, **{"shuffle": False, "rank": 0, "world_size": 1, **kw}))
 
 
 def jsonl_bytes(records: Iterable[Any]) -> bytes:

@@ -22,7 +22,7 @@ from vertexrt.data.formats.base import Errors, FileSource
 from vertexrt.data.formats.tfrecord import encode_record
 from vertexrt.errors import DataError
 
-from .conftest import write_bytes
+from .conftest import read_all, write_bytes
 
 RANGE = 50_021  # small, odd ranges: a file of a few hundred KiB spans many, and records cross them
 
@@ -45,10 +45,6 @@ def jsonl_bytes(seed: int = 7) -> bytes:
 
 def on_gcs(gcs_server: Any, name: str, data: bytes) -> str:
     return write_bytes(f"gs://{gcs_server.bucket}/{uuid.uuid4().hex}/{name}", data)
-
-
-def read_all(uri: str, **options: Any) -> list[Any]:
-    return list(open_dataset(uri, **{"shuffle": False, "rank": 0, "world_size": 1, **options}))
 
 
 @pytest.mark.parametrize("name, make", [("a.tfrecord", tfrecord_bytes), ("a.jsonl", jsonl_bytes)])

@@ -13,20 +13,19 @@ import uuid
 from pathlib import Path
 
 import pytest
-from jobs import CLUSTER_VARIABLES, MARK, marked_processes
+from jobs import CLUSTER_VARIABLES, MARK, Job, marked_processes, start_job
 
 from vertexrt.distributed.launcher import OutputRelay
 
 pytestmark = pytest.mark.slow
 
 
-def _launcher(tmp_path: Path, *command: str, stdout=subprocess.PIPE) -> tuple[subprocess.Popen, str]:
+def _launcher(tmp_path: Path, *command: str) -> tuple[Job, str]:
     marker = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
     env.update({MARK: marker, "PYTHONUNBUFFERED": "1"})
     argv = [sys.executable, "-m", "vertexrt.distributed.launcher", "--grace", "1", "--", *command]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=stdout, stderr=subprocess.STDOUT)
-    return proc, marker
+    return start_job(argv, tmp_path, env), marker
 
 
 def _wait_for(predicate, timeout: float = 30.0) -> bool:
@@ -38,10 +37,9 @@ def _wait_for(predicate, timeout: float = 30.0) -> bool:
     return predicate()
 
 
-def _cleanup(proc: subprocess.Popen, marker: str) -> list[int]:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
+def _cleanup(job: Job, marker: str) -> list[int]:
+    with job:
+        pass  # the launcher, if it still runs, and its process group: killed
     left = marked_processes(marker)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
@@ -57,20 +55,17 @@ def test_a_daemon_that_left_the_process_group_does_not_survive_the_job(local_run
 
 
 def test_nothing_survives_a_sigkilled_launcher(tmp_path) -> None:
-    log = tmp_path / "out.log"
     script = "sleep 300 & setsid sleep 301 & (trap '' TERM; sleep 302) & echo started; wait"
-    with log.open("wb") as out:
-        proc, marker = _launcher(tmp_path, "bash", "-c", script, stdout=out)
+    job, marker = _launcher(tmp_path, "bash", "-c", script)
     try:
-        assert _wait_for(lambda: b"[workerpool0-0] started" in log.read_bytes()), log.read_text()
+        job.wait_for("[workerpool0-0] started", 30)
         assert len(marked_processes(marker)) >= 5  # launcher, watchdog, bash, three sleeps
-        proc.kill()  # no teardown can run in the launcher itself
-        proc.wait()
+        job.kill()  # no teardown can run in the launcher itself
         assert _wait_for(lambda: not marked_processes(marker)), [
             Path(f"/proc/{p}/cmdline").read_bytes() for p in marked_processes(marker)
         ]
     finally:
-        assert not _cleanup(proc, marker)
+        assert not _cleanup(job, marker)
 
 
 def test_partial_lines_are_relayed_before_the_replica_writes_a_newline(tmp_path) -> None:
@@ -81,29 +76,17 @@ def test_partial_lines_are_relayed_before_the_replica_writes_a_newline(tmp_path)
         f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
         "print(' done')\n"
     )
-    proc, marker = _launcher(tmp_path, sys.executable, "-c", code)
-    seen = b""
+    job, marker = _launcher(tmp_path, sys.executable, "-c", code)
     try:
-        fd = proc.stdout.fileno()  # type: ignore[union-attr]
-        os.set_blocking(fd, False)
-
-        def read() -> bool:
-            nonlocal seen
-            try:
-                seen += os.read(fd, 1 << 16)
-            except BlockingIOError:
-                pass
-            return b"[workerpool0-0] progress 42%" in seen
-
-        assert _wait_for(read), seen  # still no newline from the replica
+        job.wait_for("[workerpool0-0] progress 42%", 30)  # still no newline from the replica
         go.touch()
-        proc.wait(60)
-        seen += proc.stdout.read()  # type: ignore[union-attr]
+        done = job.wait(60)
     finally:
-        assert not _cleanup(proc, marker)
-    assert proc.returncode == 0, seen
-    assert b"\r[workerpool0-0] progress 1%\r[workerpool0-0] progress 2%" in seen
-    assert b"[workerpool0-0] progress 42% done\n" in seen
+        assert not _cleanup(job, marker)
+    seen = done.stdout
+    assert done.returncode == 0, seen
+    assert "\r[workerpool0-0] progress 1%\r[workerpool0-0] progress 2%" in seen
+    assert "[workerpool0-0] progress 42% done\n" in seen
 
 
 def test_relay_prefixes_every_line_and_holds_back_at_most_one_bounded_line() -> None:
@@ -135,6 +118,7 @@ def test_relay_prefixes_every_line_and_holds_back_at_most_one_bounded_line() -> 
 def test_the_reaper_forgets_the_sessions_of_a_finished_attempt() -> None:
     # The reaper's session list only grew: after a whole-job restart, a session id of the first attempt
     # (a pid, free for reuse once its processes are gone) still got SIGKILLed when the launcher exited.
+    # Direct Popen here: a bystander session and a reaper fed on stdin are no jobs (jobs.py has no stdin).
     bystander = subprocess.Popen(["sleep", "60"], start_new_session=True)  # its pid leads its session
     try:
         reaper = subprocess.Popen(

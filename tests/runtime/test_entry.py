@@ -7,13 +7,12 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs import run_job, start_job
 
 from vertexrt.errors import ConfigError
 from vertexrt.runtime import PREEMPTED_EXIT_CODE, Context, Preempted, main
@@ -140,29 +139,13 @@ def test_warns_when_a_vertex_job_exports_nothing(
     assert "nothing was written" not in caplog.text
 
 
-SCRIPT = """
-import os, signal, sys
-from vertexrt.runtime import main
-
-@main
-def train(ctx):
-    if sys.argv[1] == "fail":
-        raise RuntimeError("bad batch")
-    if sys.argv[1] == "preempt":
-        os.kill(os.getpid(), signal.SIGTERM)
-        ctx.should_stop()
-
-train()
-"""
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 @pytest.mark.parametrize("mode, code", [("ok", 0), ("fail", 1), ("preempt", 143)])
 def test_exit_codes_of_a_real_process(runtime_env: Any, tmp_path: Path, mode: str, code: int) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT))
-    done = subprocess.run(
-        [sys.executable, str(script), mode], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+    command = [sys.executable, str(SCRIPTS / "main_exit_codes.py"), mode]
+    done = run_job(command, tmp_path, 120, merge_stderr=False)
     assert done.returncode == code, done.stderr
     if mode == "fail":
         assert "RuntimeError: bad batch" in done.stderr
@@ -171,70 +154,24 @@ def test_exit_codes_of_a_real_process(runtime_env: Any, tmp_path: Path, mode: st
         assert "exiting 143 so the replica restarts" in done.stderr
 
 
-TF_SCRIPT = """
-from vertexrt.runtime import main
-
-@main(framework="tf")
-def train(ctx):
-    import tensorflow as tf
-    assert isinstance(ctx.strategy, tf.distribute.Strategy), ctx.strategy
-    print("strategy", type(ctx.strategy).__name__, ctx.device)
-
-train()
-"""
-
-
 @pytest.mark.slow
 def test_tf_framework_creates_the_strategy_first(runtime_env: Any, tmp_path: Path) -> None:
-    script = tmp_path / "train_tf.py"
-    script.write_text(textwrap.dedent(TF_SCRIPT))
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env
-    )
+    command = [sys.executable, str(SCRIPTS / "main_tf_strategy.py")]
+    done = run_job(command, tmp_path, 180, env, merge_stderr=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "strategy _DefaultDistributionStrategy cpu" in done.stdout
 
 
-IGNORING_SCRIPT = """
-import logging, sys, threading, time
-from vertexrt.runtime import main
-from vertexrt.preemption.signals import preemption_signal
-
-warned = threading.Event()
-
-class Seen(logging.Handler):
-    def emit(self, record):
-        if "has not checked" in record.getMessage() or "ago and" in record.getMessage():
-            warned.set()
-
-@main
-def train(ctx):
-    logging.getLogger("vertexrt").addHandler(Seen())
-    print("ready", flush=True)
-    deadline = time.monotonic() + 60
-    while not preemption_signal().requested and time.monotonic() < deadline:  # not a poll
-        time.sleep(0.01)                       # a training loop that never calls ctx.should_stop()
-    warned.wait(60)                            # the prompt warning, while the loop runs on
-    return "finished"
-
-train()
-"""
-
-
 def test_sigterm_never_polled_is_warned_about_and_exits_143(runtime_env: Any, tmp_path: Path) -> None:
-    script = tmp_path / "ignores.py"
-    script.write_text(textwrap.dedent(IGNORING_SCRIPT))
-    proc = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert proc.returncode == 143, stderr
+    command = [sys.executable, str(SCRIPTS / "main_never_polls.py")]
+    with start_job(command, tmp_path, merge_stderr=False) as job:
+        first = job.wait_for(lambda out: "\n" in out, 120)
+        assert first.splitlines()[0].strip() == "ready"
+        job.signal(signal.SIGTERM)
+        done = job.wait(120)
+    stderr = done.stderr
+    assert done.returncode == 143, stderr
     assert "arrived" in stderr and "s ago and the training function never checked ctx.should_stop()" in stderr
     assert "SIGTERM arrived at" in stderr and "nothing was saved at the notice" in stderr
     assert "exiting 143 (not 0)" in stderr
@@ -278,16 +215,9 @@ def test_a_fatal_preflight_finding_stops_the_job_before_the_function_runs(
 
 
 def test_preflight_failure_of_a_real_process_is_one_clear_message(runtime_env: Any, tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(SCRIPT))
     env = {**os.environ, "AIP_CHECKPOINT_DIR": "/sys/x", "VERTEXRT_LOG_FORMAT": "text"}
-    done = subprocess.run(
-        [sys.executable, str(script), "ok"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env=env,
+    done = run_job(
+        [sys.executable, str(SCRIPTS / "main_exit_codes.py"), "ok"], tmp_path, 120, env, merge_stderr=False
     )
     assert done.returncode == 1, done.stderr
     assert done.stderr.count("AIP_CHECKPOINT_DIR=/sys/x is not writable") == 1

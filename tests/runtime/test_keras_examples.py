@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from jobs import run_job
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("tf_keras")
@@ -28,9 +28,9 @@ def _job(base: Path, *launcher_args: str, example_args: tuple[str, ...] = ()) ->
         "env", f"CLOUD_ML_HP_METRIC_FILE={base / 'output.metrics'}",
         sys.executable, str(ROOT / "examples" / "keras_classifier.py"), *ARGS, *example_args,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout + proc.stderr
+    done = run_job(cmd, None, 500, env)
+    assert done.returncode == 0, done.stdout[-8000:]
+    return done.stdout
 
 
 def _weights(log: str) -> str:

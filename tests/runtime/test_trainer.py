@@ -7,15 +7,15 @@ import logging
 import os
 import random
 import signal
-import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from jobs import run_job
+from jobs import run_job, run_ranks
 from torch.utils.data import DataLoader
 
 import vertexrt.data
@@ -25,6 +25,8 @@ from vertexrt._net import free_port
 from vertexrt.checkpoint import CheckpointManager, EveryNSteps
 from vertexrt.errors import ConfigError, DataError
 from vertexrt.runtime import Context, Preempted, Trainer
+
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 def collate(records: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -525,70 +527,11 @@ def test_fit_runs_the_preflight_checks_unless_told_not_to(
     ctx.close()
 
 
-TWO_REPLICAS = """
-import json, sys
-import torch
-import vertexrt
-from vertexrt.checkpoint import CheckpointManager
-
-
-class Bare(vertexrt.Trainer):
-    def setup(self):
-        torch.manual_seed(self.ctx.rank)  # different initial weights on each rank
-        self.model = torch.nn.Linear(2, 1)  # a bare module, as a newcomer writes it
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05)
-        self.train_data = [torch.full((4, 2), float(self.ctx.rank + i)) for i in range(5)]  # its own shard
-
-    def train_step(self, x):
-        self.during_fit = type(self.model).__name__
-        loss = (self.model(x) - 1.0).pow(2).mean()
-        self.optimizer.zero_grad()
-        loss.backward()
-        self.optimizer.step()
-        return {"loss": loss.detach()}
-
-    def evaluate(self):
-        for _ in self.interruptible(range(2)):
-            pass
-        rank = self.ctx.rank
-        return {"accuracy": ((0.9, 30), (0.6, 10))[rank], "loss": (1.0, 3.0)[rank]}
-
-    def export(self, model_dir):
-        self.exported = type(self.model).__name__
-
-
-@vertexrt.main(framework="torch")
-def train(ctx):
-    manager = CheckpointManager(sys.argv[1] + "/ckpt", rank=ctx.rank, world_size=ctx.world_size)
-    trainer = Bare(ctx, checkpoints=manager, progress_bar=False, tensorboard=False)
-    metrics = trainer.fit()
-    out = {
-        "metrics": metrics,
-        "weights": trainer.model.weight.tolist(),
-        "during_fit": trainer.during_fit,
-        "after_fit": type(trainer.model).__name__,
-        "saved_keys": sorted(trainer.state()["replicated"]["model"].state_dict()),
-        "exported": getattr(trainer, "exported", None),
-    }
-    with open(f"{sys.argv[1]}/rank{ctx.rank}.json", "w") as f:
-        json.dump(out, f)
-
-
-train([])
-"""
-
-
 def test_two_replicas_train_one_model_and_average_the_evaluation(runtime_env: Any, tmp_path: Any) -> None:
-    import subprocess
-    import sys
-
-    script = tmp_path / "two.py"
-    script.write_text(TWO_REPLICAS)
+    script = SCRIPTS / "trainer_two_replicas.py"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     env = {**os.environ, "VERTEXRT_LOG_FORMAT": "text"}
-    done = subprocess.run(
-        [*torchrun, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
-    )
+    done = run_job([*torchrun, str(script), str(tmp_path)], None, 300, env, merge_stderr=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["weights"] == ranks[1]["weights"]  # gradients averaged: one model, not two
@@ -607,44 +550,9 @@ def test_two_replicas_train_one_model_and_average_the_evaluation(runtime_env: An
 def test_tensor_parallel_dtensor_modules_are_checkpointed_through_dcp(tmp_path) -> None:
     """A module whose parameters are DTensors (here distribute_module; FSDP2 in
     tests/checkpoint/test_trainer_fsdp.py) is saved by every rank through DCP and restored in place."""
-    script = textwrap.dedent(
-        """
-        import torch, torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
-        import vertexrt
-
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:PORT", rank=0, world_size=1)
-        mesh = init_device_mesh("cpu", (1,))
-
-        class Parallel(vertexrt.Trainer):
-            def setup(self):
-                torch.manual_seed(0)
-                self.model = distribute_module(torch.nn.Linear(2, 2), mesh)
-                self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.5)
-                self.train_data = [torch.ones(1, 2)] * 2
-
-            def train_step(self, batch):
-                self.optimizer.zero_grad()
-                self.model(distribute_tensor(batch, mesh, [Replicate()])).sum().backward()
-                self.optimizer.step()
-                return {}
-
-        first = Parallel(vertexrt.Context.create(), max_steps=2, preflight=False, tensorboard=False)
-        first.fit()
-        again = Parallel(vertexrt.Context.create(), max_steps=2, preflight=False, tensorboard=False)
-        again.fit()  # restores step 2: nothing left to train
-        trained = first.model.weight.full_tensor()
-        assert again.step == 2 and torch.equal(again.model.weight.full_tensor(), trained)
-        torch.manual_seed(0)
-        assert not torch.equal(trained, torch.nn.Linear(2, 2).weight)  # it trained before the save
-        dist.destroy_process_group()
-        print("RESTORED")
-        """
-    ).replace("PORT", str(free_port()))
     env = dict(os.environ, VERTEXRT_LOCAL_DIR=str(tmp_path))
-    command = [sys.executable, "-c", script]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    command = [sys.executable, str(SCRIPTS / "trainer_dtensor.py"), str(free_port())]
+    done = run_job(command, None, 300, env, merge_stderr=False)
     assert "RESTORED" in done.stdout, done.stdout + done.stderr[-3000:]
     assert "(step 2)" in done.stderr  # the second fit() resumed the first one's checkpoint
 
@@ -678,21 +586,11 @@ def test_per_rank_state_for_dcp_packs_free_form_values_and_a_damaged_pack_is_a_t
 
 @pytest.mark.slow
 def test_a_read_error_on_one_rank_stops_every_rank_instead_of_a_hang_or_a_silent_rollback(tmp_path) -> None:
-    script = os.path.join(os.path.dirname(__file__), "scripts", "restore_error_worker.py")
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(rank), "2", str(port), str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    script = str(SCRIPTS / "restore_error_worker.py")
+    argv = lambda rank, port: [str(rank), "2", str(port), str(tmp_path)]  # noqa: E731
     reports = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-3000:]
+    for code, out, err in run_ranks(script, 2, argv, timeout=300):
+        assert code == 0, err[-3000:]
         reports.append(json.loads(out.strip().splitlines()[-1]))
     chief, other = reports
     assert other["type"] == "CheckpointError" and "Input/output error" in other["message"], reports

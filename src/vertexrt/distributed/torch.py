@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from vertexrt import devices
+from vertexrt import gpus
 from vertexrt._net import free_port
 from vertexrt.distributed import rendezvous
 from vertexrt.distributed.cluster_model import Cluster
@@ -92,7 +92,7 @@ def init_torch(
     if dist.is_initialized():
         return _handle(dist, c, device)
     if chosen == "nccl":
-        devices.apply_nccl_defaults()
+        gpus.apply_nccl_defaults()
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this process's own GPU, picked by its local rank
     wait = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
@@ -154,7 +154,7 @@ def _destroy_unless_failed() -> None:
 
 def process_group_arguments(c: Cluster, backend: str, num_gpus: int) -> tuple[str, Any, dict[str, Any]]:
     """What :func:`init_torch` passes for this process: the backend, its ``torch.device`` (``cuda:<local
-    rank>`` among the visible GPUs, see :func:`vertexrt.devices.select_device`) and the extra
+    rank>`` among the visible GPUs, see :func:`vertexrt.gpus.select_device`) and the extra
     ``init_process_group`` arguments: ``device_id`` for NCCL, which binds the communicator to this
     process's GPU (without it NCCL guesses the device from the global rank, and may hang).
 
@@ -164,8 +164,8 @@ def process_group_arguments(c: Cluster, backend: str, num_gpus: int) -> tuple[st
     """
     import torch
 
-    device = torch.device(devices.select_device(c.local_rank, c.local_world_size, num_gpus))
-    devices.warn_unused_gpus(c.local_world_size, num_gpus)
+    device = torch.device(gpus.select_device(c.local_rank, c.local_world_size, num_gpus))
+    gpus.warn_unused_gpus(c.local_world_size, num_gpus)
     chosen = ("nccl" if device.type == "cuda" else "gloo") if backend == "auto" else backend
     extra: dict[str, Any] = {}
     if chosen == "nccl":
@@ -278,7 +278,7 @@ def child_environment(c: Cluster, local_rank: int, nprocs: int, rendezvous: str)
 
 def _process_count(nprocs: int | str) -> int:
     if nprocs == "gpu":
-        return max(devices.gpu_count(), 1)
+        return max(gpus.gpu_count(), 1)
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigError(f"spawn(nprocs={nprocs!r}): expected a positive integer or 'gpu'")
     return nprocs
