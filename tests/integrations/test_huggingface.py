@@ -197,6 +197,38 @@ def test_resume_skips_a_step_without_a_valid_marker(job: Path, storage_root: str
     assert VertexTrainerCallback(output, staging_dir=str(job / "other")).resume_from_checkpoint() is None
 
 
+@pytest.mark.parametrize("staging", ["default", "reused"])
+def test_a_commit_uploads_no_file_an_earlier_job_left_in_the_staging_dir(
+    job: Path, gcs_server: Any, staging: str
+) -> None:
+    """Each rank uploads all of its local copy of a step, so a file left there was committed as this job's.
+    The default staging dir was one per output URI and rank under /tmp, shared by every job (and every run
+    of a test: pytest's tmp_path names repeat) writing to that URI on the machine: rank 1's held the full
+    checkpoints its resumes downloaded, and in a 2-replica job its stale weights, optimizer or RNG file raced
+    rank 0's fresh one to the bucket (the example test's one bitwise failure in five)."""
+    output = f"gs://{gcs_server.bucket}/{job.name}/ckpt"
+    where = {"staging_dir": str(job / "stage")} if staging == "reused" else {}
+    earlier = VertexTrainerCallback(output, **where)
+    train(earlier, max_steps=4)
+    fs, root = paths.filesystem(output)
+    fs.invalidate_cache()
+    committed = sorted(name.rsplit("/", 1)[-1] for name in fs.ls(f"{root}/checkpoint-4", detail=False))
+    assert "rng_state_1.pth" not in committed and MARKER in committed
+    # what a 2-replica job's resume leaves in rank 0's copy: the whole step, rank 1's RNG state included
+    left = Path(earlier.local_dir) / "checkpoint-4"
+    (left / "rng_state_1.pth").write_bytes((left / "rng_state.pth").read_bytes())
+    fs.rm(root, recursive=True)  # the next job (or the test's next run) starts on an empty bucket
+
+    later = VertexTrainerCallback(output, **where)
+    assert later.resume_from_checkpoint() is None
+    train(later, max_steps=4)
+    fs.invalidate_cache()
+    uploaded = sorted(name.rsplit("/", 1)[-1] for name in fs.ls(f"{root}/checkpoint-4", detail=False))
+    assert uploaded == committed, (
+        f"committed files an earlier job left: {sorted(set(uploaded) - set(committed))}"
+    )
+
+
 def test_training_arguments_and_the_callback_must_agree_on_output_dir(job: Path) -> None:
     vertex = VertexTrainerCallback("gs://bucket/run/ckpt", staging_dir=str(job / "stage"))
     fields = vertex.training_arguments(seed=3)
