@@ -202,10 +202,10 @@ def test_a_commit_uploads_no_file_an_earlier_job_left_in_the_staging_dir(
     job: Path, gcs_server: Any, staging: str
 ) -> None:
     """Each rank uploads all of its local copy of a step, so a file left there was committed as this job's.
-    The default staging dir was one per output URI and rank under /tmp, shared by every job (and every run
-    of a test: pytest's tmp_path names repeat) writing to that URI on the machine: rank 1's held the full
-    checkpoints its resumes downloaded, and in a 2-replica job its stale weights, optimizer or RNG file raced
-    rank 0's fresh one to the bucket (the example test's one bitwise failure in five)."""
+    The default staging dir was one per output URI and rank under /tmp, shared by every job writing to that
+    URI on the machine, and by every run of the 2-replica example test below (pytest's tmp_path names
+    repeat): each rank's held the whole checkpoints its resumes downloaded (rank 0's: rank 1's RNG state,
+    uploaded after rank 1's own), and concurrent runs deleted and replaced each other's files there."""
     output = f"gs://{gcs_server.bucket}/{job.name}/ckpt"
     where = {"staging_dir": str(job / "stage")} if staging == "reused" else {}
     earlier = VertexTrainerCallback(output, **where)
@@ -277,7 +277,8 @@ def test_example_two_replicas_preempted_resumes_to_the_same_weights(tmp_path: Pa
     with paths.open(f"{bucket}/model/model.pt", "rb") as f:
         got = torch.load(f)
     differ = [k for k in expected if not torch.equal(expected[k], got[k])]  # bitwise
-    # failed once in CI (1 in 5 runs, cause not found yet): the report names the forced step and the tensors
+    # failed once in CI (1 in 5 runs); every forced step 5..15 gives the same weights: the likely cause is
+    # a staging dir shared with other runs (see test_a_commit_uploads_no_file_an_earlier_job_left_in_...)
     assert not differ, (
         f"saved at step {forced.group(1)}: {len(differ)} tensors differ: {differ[:4]}",
         out[-6000:],
