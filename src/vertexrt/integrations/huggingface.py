@@ -23,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
+import atexit
 import json
 import logging
 import os
@@ -103,8 +103,10 @@ class VertexTrainerCallback(TrainerCallback):
     Args:
         output_dir: where committed checkpoints live (local, ``/gcs/...`` or ``gs://...``); default
             ``vertexrt.env.environment().checkpoint_dir`` (``AIP_CHECKPOINT_DIR``).
-        staging_dir: the local directory the Trainer writes to when ``output_dir`` is not local (default: one
-            per output directory and rank under the system temp dir); ignored for a local ``output_dir``.
+        staging_dir: the local directory the Trainer writes to when ``output_dir`` is not local (default: a
+            new one under the system temp dir, private to this process and removed at its exit); ignored for a
+            local ``output_dir``. Each rank uploads all of its copy of a step, so
+            :meth:`resume_from_checkpoint` first removes the ``checkpoint-*`` an earlier job left there.
         metric: the hyperparameter-tuning metric tag; default ``TrainingArguments.metric_for_best_model``.
 
     Example:
@@ -132,12 +134,14 @@ class VertexTrainerCallback(TrainerCallback):
         """Where the Trainer writes (``TrainingArguments.output_dir``): ``output_dir`` itself when local."""
         if not self.remote:
             return self.output_dir
-        if self._staging is not None:
-            return self._staging
-        from vertexrt.distributed import world_info
+        if self._staging is None:
+            # never a path derived from output_dir: every job on the machine writing there shared it (and
+            # every run of one test), and each uploaded the checkpoint files the others had left in it
+            from vertexrt.distributed import world_info
 
-        digest = hashlib.sha256(self.output_dir.encode()).hexdigest()[:16]
-        return os.path.join(tempfile.gettempdir(), "vertexrt-hf", digest, f"rank-{world_info().rank}")
+            self._staging = tempfile.mkdtemp(prefix=f"vertexrt-hf-rank{world_info().rank}-")
+            atexit.register(shutil.rmtree, self._staging, True)
+        return self._staging
 
     def training_arguments(self, **overrides: Any) -> dict[str, Any]:
         """``TrainingArguments`` keyword arguments for this job, ``overrides`` last.
@@ -185,7 +189,10 @@ class VertexTrainerCallback(TrainerCallback):
 
     def resume_from_checkpoint(self) -> str | None:
         """The newest complete checkpoint as a local directory for ``trainer.train(resume_from_checkpoint=)``,
-        downloaded from ``output_dir`` when that is remote; None on a fresh start. Call it on every rank."""
+        downloaded from ``output_dir`` when that is remote; None on a fresh start. Call it on every rank,
+        before training: with a remote ``output_dir`` it first empties the staging dir of ``checkpoint-*``."""
+        if self.remote:
+            self._clear_staging()
         steps = self.complete_steps()
         if not steps:
             return None
@@ -196,10 +203,18 @@ class VertexTrainerCallback(TrainerCallback):
                 paths.join(self.output_dir, name), steps[-1], result=paths.join(self.output_dir, name)
             )
         local = os.path.join(self.local_dir, name)
-        shutil.rmtree(local, ignore_errors=True)  # a partial copy from an earlier attempt on this machine
         paths.download(paths.join(self.output_dir, name), local)
         log_resuming(paths.join(self.output_dir, name), steps[-1], f"downloaded to {local}")
         return local
+
+    def _clear_staging(self) -> None:
+        """Remove the ``checkpoint-*`` copies in the staging directory (an earlier job's, or a partial
+        download): a save of that step would upload them with its own files, as this job's."""
+        if not os.path.isdir(self.local_dir):
+            return
+        for entry in os.listdir(self.local_dir):
+            if _CHECKPOINT.match(entry):
+                shutil.rmtree(os.path.join(self.local_dir, entry), ignore_errors=True)
 
     def _marker_step(self, step: int) -> int | None:
         marker = paths.join(self.output_dir, f"checkpoint-{step}", MARKER)
