@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from vertexrt import audit
-from vertexrt.checkpoint import dcp, restoring, serialization, step_writer, storage
+from vertexrt.checkpoint import dcp, restoring, serialization, shard_restore, step_writer, storage
 from vertexrt.checkpoint import manifest as manifest_format
 from vertexrt.checkpoint.decision import SaveDecision
 from vertexrt.checkpoint.manifest import FORMAT, FORMAT_VERSION
@@ -215,9 +215,7 @@ class CheckpointManager:
         result = restoring.decode(loaded, target, device)
         if step is None:  # the newest step: a resume (the Trainer and Lightning name their step and log)
             log_resuming(self.directory if fast is None else self._fast.directory, loaded.step)
-        self.restored_step = loaded.step
-        audit.event("resume", step=loaded.step)
-        self._last = (loaded.step, None)
+        self._resumed(loaded.step)
         return result
 
     # -- writing -------------------------------------------------------------------------------------------
@@ -398,7 +396,8 @@ class CheckpointManager:
         body of a replicated step); the decoded trees, in order. Every rank calls it together.
 
         Rank 0 alone reads the step's manifest and lists its files; each rank receives the header and the
-        bodies of its own parts (one object gather, one scatter), then reads and checksums their data.
+        bodies of its own parts (one object gather, one scatter), then reads and checksums their data
+        (:mod:`vertexrt.checkpoint.shard_restore`).
 
         Raises:
             CheckpointCorruptError: the step is damaged (on every rank when rank 0 found it so).
@@ -406,33 +405,10 @@ class CheckpointManager:
                 written through DCP, or reading failed on rank 0.
         """
         self.wait()
-        dist = collectives.torch_dist() if self.world_size > 1 else None
-        wanted = [self.rank if shard is None else shard for _, shard in parts]
-        everyone = collectives.gather(wanted, dist)
-        offer = collectives.scatter(
-            self._offer_shards(step, everyone) if everyone is not None else None, dist
+        results = shard_restore.restore(
+            self._site, step, parts, allow_pickle=self.allow_pickle, device=device
         )
-        if offer[0] == "damaged":
-            raise CheckpointCorruptError(offer[1])
-        if offer[0] == "fatal":
-            raise CheckpointError(offer[1])
-        _, header, bodies = offer
-        loaded = [  # a body file of format version 2 is read here, by the rank that needs it (one request)
-            restoring.verify(
-                self._strategy,
-                step,
-                header,
-                restoring.read_body(self._strategy, step, header, entry),
-                allow_pickle=self.allow_pickle,
-            )
-            for entry in bodies
-        ]
-        results = [
-            restoring.decode(one, target, device) for one, (target, _) in zip(loaded, parts, strict=True)
-        ]
-        self.restored_step = step
-        audit.event("resume", step=step)
-        self._last = (step, None)
+        self._resumed(step)
         return results
 
     @property
@@ -485,33 +461,6 @@ class CheckpointManager:
         self._last = (own.step, None)
         return values, bool(in_durable)
 
-    def _offer_shards(self, step: int, wanted: list[list[int]]) -> list[tuple[Any, ...]]:
-        """Rank 0's side of :meth:`restore_shards`: one message per rank (an error is every rank's)."""
-        try:
-            manifest = restoring.read_manifest(self._strategy, step)
-            if dcp.written_here(manifest):
-                raise CheckpointError(
-                    f"checkpoint step {step} in {self.directory} was written through DCP (sharded modules) "
-                    "and this state holds none: restore it with the sharded modules it was saved from"
-                )
-            bodies = [
-                [
-                    restoring.body_for(self._strategy, step, manifest, world_size=self.world_size, shard=s)
-                    for s in shards
-                ]
-                for shards in wanted
-            ]
-            restoring.check_files(self._strategy, step, manifest)
-        except CheckpointCorruptError as exc:
-            return [("damaged", str(exc))] * len(wanted)
-        except CheckpointError as exc:
-            return [("fatal", str(exc))] * len(wanted)
-        except Exception as exc:  # e.g. EIO on a FUSE mount: every rank stops, none is left waiting
-            why = f"reading checkpoint step {step} in {self.directory} failed: {type(exc).__name__}: {exc}"
-            return [("fatal", why)] * len(wanted)
-        header = restoring.header_of(manifest)
-        return [("load", header, mine) for mine in bodies]
-
     # -- the fast tier (vertexrt.checkpoint.tiers) ----------------------------------------------------------
 
     def _fast_tier(self, fast: FastTier | None) -> Any:
@@ -547,6 +496,12 @@ class CheckpointManager:
             self._fast.observe_durable_write(sum(len(b) for b in args[3]), time.monotonic() - began)
 
     # -- internals -----------------------------------------------------------------------------------------
+
+    def _resumed(self, step: int) -> None:
+        """``step`` was restored: the save policy counts from it."""
+        self.restored_step = step
+        audit.event("resume", step=step)
+        self._last = (step, None)
 
     def _notice_arrived(self) -> bool:
         if self._subscription is None:
