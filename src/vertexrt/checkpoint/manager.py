@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vertexrt import audit
 from vertexrt.checkpoint import dcp, restoring, serialization, shard_restore, step_writer, storage
@@ -38,12 +38,11 @@ from vertexrt.checkpoint.policies import (
 )
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.checkpoint.retention import Retention
+from vertexrt.checkpoint.tiers import attach as fast_tier
+from vertexrt.checkpoint.tiers.config import FastTier
 from vertexrt.distributed import collectives
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, StepExistsError
 from vertexrt.phases import long_phase
-
-if TYPE_CHECKING:
-    from vertexrt.checkpoint.tiers import FastTier
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ class CheckpointManager:
             removed = self._strategy.cleanup() + self._retention.sweep()
             if removed:
                 log.info("removed unfinished checkpoint leftovers in %s: %s", self.directory, removed)
-        self._fast = self._fast_tier(fast)
+        self._fast = fast_tier.attach(fast, self._site, allow_pickle=allow_pickle)
         if save_on_preemption:
             self.save_on_preemption()
 
@@ -177,7 +176,7 @@ class CheckpointManager:
                 checkpoint, or the target does not match.
         """
         self.wait()
-        fast = self._fast_restore(target) if step is None else None  # newest everywhere: read nothing here
+        fast = fast_tier.newest(self._fast, self._strategy, target) if step is None else None
         loaded: restoring.Loaded | None
         if fast is not None:
             loaded = fast
@@ -290,11 +289,11 @@ class CheckpointManager:
         args = (step, tree, nodes, buffers, clean_metrics, token, shard, overwrite)
         audit.event("save", step=step, asynchronous=not blocking)
         if blocking:
-            self._write_measured(*args)
+            self._write(*args)
         else:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-writer")
-            self._pending = self._writer.submit(self._write_measured, *args)
+            self._pending = self._writer.submit(self._write, *args)
         return True
 
     def wait(self) -> None:
@@ -429,71 +428,20 @@ class CheckpointManager:
             ConfigError: a part asks for another rank's state than rank 0's.
             CheckpointError: the fast tier failed on some rank for a reason other than a damaged copy.
         """
-        for _, shard in parts:
-            if shard not in (None, self.rank, 0):
-                raise ConfigError(
-                    f"restore_fast_shards(shard={shard}) on rank {self.rank}: the fast tier gives this "
-                    "rank's own state (shard None) and rank 0's (shard 0)"
-                )
+        fast_tier.check_parts(parts, self.rank)
         if self._fast is None:
             return None
         self.wait()
-        newest_durable: list[int | None] = [None]  # rank 0: what the fast tier compared with
-
-        def durable_steps() -> list[int]:
-            steps = self._strategy.committed_steps()
-            newest_durable[0] = max(steps, default=None)
-            return steps
-
-        own: restoring.Loaded | None = self._fast.restore(durable_steps)
-        if own is None:
+        found = fast_tier.newest_with_durable(self._fast, self._strategy)
+        if found is None:
             return None
+        own, in_durable = found
         self.restored_step = own.step
-        dist = collectives.torch_dist() if self.world_size > 1 else None
-        [wanted] = collectives.all_max([int(self.rank != 0 and any(s == 0 for _, s in parts))], dist)
-        chiefs = own if self.rank == 0 and wanted else None  # rank 0's state at the agreed step
-        in_durable, chiefs = collectives.broadcast((newest_durable[0] == own.step, chiefs), dist)
-        values = [
-            restoring.decode(own if shard in (None, self.rank) else chiefs, target, device)
-            for target, shard in parts
-        ]
-        audit.event("resume", step=own.step)
-        self._last = (own.step, None)
-        return values, bool(in_durable)
-
-    # -- the fast tier (vertexrt.checkpoint.tiers) ----------------------------------------------------------
-
-    def _fast_tier(self, fast: FastTier | None) -> Any:
-        from vertexrt.checkpoint.tiers.config import FastTier
-
-        tier = fast if fast is not None else FastTier.from_environment()
-        if tier is None:
-            return None
-        if not isinstance(tier, FastTier):
-            raise ConfigError(f"CheckpointManager(fast={tier!r}): pass a vertexrt.checkpoint.FastTier")
-        from vertexrt.checkpoint.tiers.engine import FastCheckpoints
-
-        return FastCheckpoints(
-            tier,
-            durable_directory=self.directory,
-            rank=self.rank,
-            world_size=self.world_size,
-            allow_pickle=self.allow_pickle,
+        restored = fast_tier.decode_parts(
+            own, in_durable, parts, rank=self.rank, world_size=self.world_size, device=device
         )
-
-    def _fast_restore(self, target: Any) -> restoring.Loaded | None:
-        """The fast tier's newest step when every rank can get it and it is not older than the durable one."""
-        if self._fast is None or dcp.holds_dtensors(target):
-            return None
-        loaded: restoring.Loaded | None = self._fast.restore(self._strategy.committed_steps)
-        return loaded
-
-    def _write_measured(self, *args: Any) -> None:
-        """:meth:`_write`, its rate reported to the fast tier (which sizes an emergency save with it)."""
-        began = time.monotonic()
-        self._write(*args)
-        if self._fast is not None:
-            self._fast.observe_durable_write(sum(len(b) for b in args[3]), time.monotonic() - began)
+        self._resumed(own.step)
+        return restored
 
     # -- internals -----------------------------------------------------------------------------------------
 
@@ -547,19 +495,20 @@ class CheckpointManager:
         overwrite: bool,
     ) -> None:
         together = shard is not None and self.world_size > 1
-        written = step_writer.write(
-            self._site,
-            step,
-            token,
-            shard=shard,
-            nodes=nodes,
-            buffers=buffers,
-            tree=tree,
-            metrics=_read_metrics(metrics),  # device metrics: read here, after the state's copies
-            overwrite=overwrite,
-            dist=collectives.torch_dist() if together else None,
-            group=self._writer_group if together else None,
-        )
+        with fast_tier.durable_write(self._fast, buffers):  # the fast tier's measure of the durable rate
+            written = step_writer.write(
+                self._site,
+                step,
+                token,
+                shard=shard,
+                nodes=nodes,
+                buffers=buffers,
+                tree=tree,
+                metrics=_read_metrics(metrics),  # device metrics: read here, after the state's copies
+                overwrite=overwrite,
+                dist=collectives.torch_dist() if together else None,
+                group=self._writer_group if together else None,
+            )
         if written is None:  # a rank other than 0: its shard is in the committed step
             return
         if self._committed_once:
