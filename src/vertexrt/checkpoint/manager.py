@@ -24,7 +24,15 @@ from types import TracebackType
 from typing import Any
 
 from vertexrt import audit
-from vertexrt.checkpoint import dcp, restoring, serialization, shard_restore, step_writer, storage
+from vertexrt.checkpoint import (
+    dcp,
+    restoring,
+    save_metrics,
+    serialization,
+    shard_restore,
+    step_writer,
+    storage,
+)
 from vertexrt.checkpoint import manifest as manifest_format
 from vertexrt.checkpoint.decision import SaveDecision
 from vertexrt.checkpoint.manifest import FORMAT, FORMAT_VERSION
@@ -256,7 +264,7 @@ class CheckpointManager:
     ) -> bool:
         self.wait()
         if dcp.holds_dtensors(state):  # sharded (DTensor) state: every rank writes its shards via DCP
-            dcp.save(self._site, step, state, _read_metrics(_metrics(metrics)), overwrite)
+            dcp.save(self._site, step, state, save_metrics.read(save_metrics.snapshot(metrics)), overwrite)
             self._last = (step, time.time())
             return True
         dist = collectives.torch_dist()
@@ -281,7 +289,7 @@ class CheckpointManager:
             token = storage.new_token()
         tree, leaves = serialization.encode(state, allow_pickle=self.allow_pickle)
         nodes = [node for node, _ in leaves]
-        clean_metrics = _metrics(metrics)
+        clean_metrics = save_metrics.snapshot(metrics)
         self._last = (step, time.time())
         blocking = not self.async_save or self._preempted or self._notice_arrived()
         encoded = [enc for _, enc in leaves]
@@ -504,7 +512,7 @@ class CheckpointManager:
                 nodes=nodes,
                 buffers=buffers,
                 tree=tree,
-                metrics=_read_metrics(metrics),  # device metrics: read here, after the state's copies
+                metrics=save_metrics.read(metrics),  # device metrics: read here, after the state's copies
                 overwrite=overwrite,
                 dist=collectives.torch_dist() if together else None,
                 group=self._writer_group if together else None,
@@ -554,61 +562,3 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"the CheckpointManager for {self.directory} is closed")
-
-
-def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The metrics as floats, or :class:`_TensorMetric` snapshots for tensors (read later, without a sync)."""
-    from vertexrt.checkpoint import adapters
-
-    out: dict[str, Any] = {}
-    for key, value in (metrics or {}).items():
-        if adapters.is_torch_tensor(value):
-            out[str(key)] = _TensorMetric(str(key), value)
-            continue
-        try:
-            out[str(key)] = float(value)
-        except (TypeError, ValueError):
-            raise CheckpointError(f"metrics[{key!r}] = {value!r} is not a number") from None
-    return out
-
-
-def _read_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    return {key: float(value) for key, value in metrics.items()}
-
-
-class _TensorMetric:
-    """A one-element tensor metric copied to host memory without waiting for the GPU; ``float()`` reads it.
-
-    A CUDA value is copied non-blocking into pinned memory behind an event on its stream; ``float()`` (on the
-    writer) waits for that event only, never on the training thread's ``save()``.
-    """
-
-    def __init__(self, key: str, value: Any) -> None:
-        import torch
-
-        if value.numel() != 1 or value.is_complex():
-            raise CheckpointError(
-                f"metrics[{key!r}] is a tensor of shape {list(value.shape)} and dtype {value.dtype}; "
-                "pass one real number per metric"
-            )
-        self.event: Any = None
-        source = value.detach().reshape(())
-        if source.device.type == "cuda":
-            self.host = torch.empty((), dtype=source.dtype, pin_memory=True)
-            self.host.copy_(source, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(source.device))
-        else:
-            self.host = source.to("cpu", copy=True)
-
-    def __float__(self) -> float:
-        if self.event is not None:
-            self.event.synchronize()
-        return float(self.host)
-
-
-def _quietly(fn: Any, *args: Any) -> None:
-    try:
-        fn(*args)
-    except Exception as exc:
-        log.debug("cleanup after a failed save: %s", exc)
