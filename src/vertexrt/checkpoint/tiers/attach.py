@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 from vertexrt.checkpoint import dcp, restoring
@@ -89,11 +90,21 @@ def decode_parts(
 ) -> tuple[list[Any], bool]:
     """Each ``(target, shard)`` of ``parts`` decoded from this rank's state (shard None or ``rank``) or
     rank 0's (shard 0), which rank 0 broadcasts when any other rank asks for it; and rank 0's
-    ``in_durable``. Every rank calls it together."""
+    ``in_durable``. Every rank calls it together.
+
+    Rank 0's state travels as its header, tree and leaf sizes in one object broadcast (a few KB whatever
+    the state's size), then its leaf bytes as raw uint8 tensors (:func:`collectives.broadcast_bytes`)."""
     dist = collectives.torch_dist() if world_size > 1 else None
     [wanted] = collectives.all_max([int(rank != 0 and any(s == 0 for _, s in parts))], dist)
-    chiefs = own if rank == 0 and wanted else None  # rank 0's state at the agreed step
-    in_durable, chiefs = collectives.broadcast((in_durable, chiefs), dist)
+    described = None  # rank 0's state at the agreed step without its bytes, and its leaf sizes
+    if rank == 0 and wanted:
+        described = (replace(own, buffers=[]), [len(b) for b in own.buffers])
+    in_durable, described = collectives.broadcast((in_durable, described), dist)
+    chiefs = own
+    if described is not None:
+        shell, sizes = described
+        buffers = collectives.broadcast_bytes(own.buffers if rank == 0 else None, sizes, dist)
+        chiefs = own if rank == 0 else replace(shell, buffers=buffers)
     values = [
         restoring.decode(own if shard in (None, rank) else chiefs, target, device) for target, shard in parts
     ]
