@@ -221,7 +221,7 @@ class CheckpointManager:
             return None
         result = restoring.decode(loaded, target, device)
         if step is None:  # the newest step: a resume (the Trainer and Lightning name their step and log)
-            log_resuming(self.directory if fast is None else self._fast.directory, loaded.step)
+            log_resuming(self.directory if fast is None else str(self.fast_directory), loaded.step)
         self._resumed(loaded.step)
         return result
 
