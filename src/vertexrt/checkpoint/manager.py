@@ -33,11 +33,10 @@ from vertexrt.checkpoint import (
     step_writer,
     storage,
 )
-from vertexrt.checkpoint import manifest as manifest_format
+from vertexrt.checkpoint.after_commit import AfterCommit
 from vertexrt.checkpoint.decision import SaveDecision
 from vertexrt.checkpoint.manifest import FORMAT, FORMAT_VERSION
 from vertexrt.checkpoint.policies import (
-    CheckpointInfo,
     EveryNSteps,
     KeepLast,
     KeepPolicy,
@@ -111,17 +110,16 @@ class CheckpointManager:
             raise ConfigError(f"CheckpointManager: rank {self.rank} is outside world_size {self.world_size}")
         self._strategy = storage.strategy_for(self.directory, stale_after)
         self._retention = Retention(self._strategy, self.keep_policy, self._manifest)
+        self._after_commit = AfterCommit(self._strategy, self._retention)  # rank 0: retire, retention
         self._site = step_writer.Site(
-            self.directory, self._strategy, self.rank, self.world_size, committed=self._committed
+            self.directory, self._strategy, self.rank, self.world_size, committed=self._after_commit
         )
         self._writer_group: Any = None  # the gloo group of the writer thread's collectives (sharded saves)
         self._decide_policy = SaveDecision(self.save_policy, self.world_size)
         self._start = time.time()
         self._last: tuple[int | None, float | None] = (None, None)  # (step, time) of the previous save
         self._writer: ThreadPoolExecutor | None = None  # one long-lived writer thread, made on first use
-        self._deleter: ThreadPoolExecutor | None = None  # one retention thread, fed by the writer
         self._pending: Future[None] | None = None  # the save in flight
-        self._deleting: Future[None] | None = None  # the newest retention pass
         self._committed_once = False  # the first commit is logged at INFO, the routine ones at DEBUG
         self._staging: Any = None
         self._subscription: Any = None
@@ -141,13 +139,13 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first (not verified; see :meth:`latest_step`)."""
-        self._join_deleter()
+        self._after_commit.join()
         return self._strategy.committed_steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step whose manifest reads and whose data files are all present, or None."""
         self._raise_finished_error()
-        self._join_deleter()
+        self._after_commit.join()
         for step in reversed(self._strategy.committed_steps()):
             try:
                 restoring.check_files(self._strategy, step, self._manifest(step))
@@ -312,7 +310,7 @@ class CheckpointManager:
             if pending is not None:
                 pending.result()
         finally:
-            self._join_deleter()
+            self._after_commit.join()
         if self._fast is not None:
             self._fast.wait()
 
@@ -329,9 +327,9 @@ class CheckpointManager:
             if self._staging is not None:  # the stager: its copy threads and pinned arena
                 self._staging.close()
                 self._staging = None
-            for pool in (self._writer, self._deleter):
-                if pool is not None:
-                    pool.shutdown(wait=True)
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+            self._after_commit.close()
             for drain in (self._decide_policy.drain, getattr(self._vote, "drain", None)):
                 if drain is not None:
                     try:
@@ -527,30 +525,6 @@ class CheckpointManager:
                 "checkpoint step %d committed in %s (later commits are logged at DEBUG)", step, self.directory
             )
         audit.event("commit", step=step)
-
-    def _committed(self, step: int, token: str, manifest: dict[str, Any], replaced: bytes | None) -> None:
-        """Rank 0, after a commit: retire a replaced version's files, apply retention in the background."""
-        if replaced is not None:
-            self._retire(step, replaced, manifest)
-        self._retention.infos[step] = CheckpointInfo(step, manifest["time"], manifest["metrics"])
-        if self._deleter is None:
-            self._deleter = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-retention")
-        self._deleting = self._deleter.submit(self._retention.apply, step, token)
-
-    def _retire(self, step: int, replaced: bytes, manifest: dict[str, Any]) -> None:
-        """Delete the files of the version an overwrite replaced (the new manifest names none of them)."""
-        name = self._strategy.store.join(self._strategy.step_dir(step), storage.MANIFEST)
-        try:
-            old = manifest_format.referenced(manifest_format.parse(replaced, name=name))
-        except CheckpointError as exc:
-            log.warning("the replaced manifest of step %d was unreadable (%s): its files stay", step, exc)
-            return
-        self._strategy.remove_files(step, sorted(old - manifest_format.referenced(manifest)))
-
-    def _join_deleter(self) -> None:
-        deleting, self._deleting = self._deleting, None
-        if deleting is not None:
-            deleting.result()
 
     def _manifest(self, step: int) -> dict[str, Any]:
         return restoring.read_manifest(self._strategy, step)
