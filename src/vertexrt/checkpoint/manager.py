@@ -43,6 +43,7 @@ from vertexrt.checkpoint.policies import (
     LastSave,
     SavePolicy,
 )
+from vertexrt.checkpoint.preemption_watch import PreemptionWatch
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.checkpoint.retention import Retention
 from vertexrt.checkpoint.tiers import attach as fast_tier
@@ -122,9 +123,7 @@ class CheckpointManager:
         self._pending: Future[None] | None = None  # the save in flight
         self._committed_once = False  # the first commit is logged at INFO, the routine ones at DEBUG
         self._staging: Any = None
-        self._subscription: Any = None
-        self._vote: Any = None
-        self._preempted = False
+        self._preemption = PreemptionWatch()
         self._closed = False
         self.restored_step: int | None = None
         if self.rank == 0:
@@ -250,7 +249,9 @@ class CheckpointManager:
         if isinstance(step, bool) or not hasattr(step, "__index__") or operator.index(step) < 0:
             raise ConfigError(f"save(step={step!r}): the step must be an integer >= 0")
         step = operator.index(step)
-        if self._fast is not None and not self._fast.on_save(step, state, preempted=self._preempted):
+        if self._fast is not None and not self._fast.on_save(
+            step, state, preempted=self._preemption.preempted
+        ):
             return False  # an emergency save that would not fit in the grace period: fast tier only
         if not self._decide(step, force):
             return False
@@ -289,7 +290,7 @@ class CheckpointManager:
         nodes = [node for node, _ in leaves]
         clean_metrics = save_metrics.snapshot(metrics)
         self._last = (step, time.time())
-        blocking = not self.async_save or self._preempted or self._notice_arrived()
+        blocking = not self.async_save or self._preemption.preempted or self._preemption.arrived_here()
         encoded = [enc for _, enc in leaves]
         buffers = self._stager().stage(encoded, copy_host=False) if blocking else self._snapshot(encoded)
         args = (step, tree, nodes, buffers, clean_metrics, token, shard, overwrite)
@@ -330,15 +331,12 @@ class CheckpointManager:
             if self._writer is not None:
                 self._writer.shutdown(wait=True)
             self._after_commit.close()
-            for drain in (self._decide_policy.drain, getattr(self._vote, "drain", None)):
-                if drain is not None:
-                    try:
-                        drain()
-                    except Exception as exc:  # e.g. the process group is gone already
-                        log.debug("draining a collective at close: %s", exc)
-            if self._subscription is not None:
-                self._subscription.close()
-                self._subscription = None
+            for drain in (self._decide_policy.drain, self._preemption.drain):
+                try:
+                    drain()
+                except Exception as exc:  # e.g. the process group is gone already
+                    log.debug("draining a collective at close: %s", exc)
+            self._preemption.close()
             if self._writer_group is not None:  # destroyed now: one left to interpreter teardown can abort
                 group, self._writer_group = self._writer_group, None
                 try:
@@ -368,10 +366,7 @@ class CheckpointManager:
         Poll :meth:`preemption_requested` at step boundaries; when True, ``save(step, state, force=True)``
         (synchronous from then on), ``close()`` and exit with status 143 (128 + SIGTERM).
         """
-        if self._subscription is None:
-            from vertexrt.preemption.signals import preemption_signal
-
-            self._subscription = preemption_signal().subscribe()
+        self._preemption.subscribe()
 
     def preemption_requested(self) -> bool:
         """True once SIGTERM arrived on any rank; all ranks must call it at the same points.
@@ -379,18 +374,7 @@ class CheckpointManager:
         With torch.distributed the ranks agree one call after the notice (a non-blocking vote), so they
         all see True at the same call.
         """
-        if self._vote is None:
-            from vertexrt.preemption.vote import StopVote
-
-            self._vote = StopVote()
-        local = self._subscription is not None and bool(self._subscription.requested)
-        if self._vote(local):
-            if not self._preempted and self._subscription is not None and not local:
-                from vertexrt.preemption.signals import preemption_signal
-
-                preemption_signal().request()  # decided by another rank: the same notice here
-            self._preempted = True
-        return self._preempted
+        return self._preemption.requested()
 
     # -- one step into several sub-trees (the Trainer's restore) ---------------------------------------------
 
@@ -456,13 +440,6 @@ class CheckpointManager:
         self.restored_step = step
         audit.event("resume", step=step)
         self._last = (step, None)
-
-    def _notice_arrived(self) -> bool:
-        if self._subscription is None:
-            return False
-        from vertexrt.preemption.signals import preemption_signal
-
-        return preemption_signal().requested
 
     def _decide(self, step: int, force: bool) -> bool:
         last_step, last_time = self._last
