@@ -400,6 +400,8 @@ class CheckpointManager:
         self._resumed(step)
         return results
 
+    # -- the fast tier (vertexrt.checkpoint.tiers) ----------------------------------------------------------
+
     @property
     def fast_directory(self) -> str | None:
         """This VM's directory of the fast tier (None without one)."""
@@ -409,7 +411,8 @@ class CheckpointManager:
         self, parts: Sequence[tuple[Any, int | None]], *, device: Any = None
     ) -> tuple[list[Any], bool] | None:
         """Load the fast tier's newest step that every rank can get into ``parts`` (``(target, shard)``:
-        shard None or this rank for this rank's own state, 0 for rank 0's, which rank 0 broadcasts); the
+        shard None or this rank for this rank's own state, 0 for rank 0's, which rank 0 broadcasts: its
+        tree in one object broadcast, its bytes as raw tensors; :mod:`vertexrt.checkpoint.tiers.attach`); the
         decoded trees in order, and whether the durable tier holds that step too. None when there is no
         fast tier or no fast step as new as the durable tier's newest (then :meth:`restore_shards` a
         durable step). Every rank calls it together.
@@ -426,7 +429,7 @@ class CheckpointManager:
         if found is None:
             return None
         own, in_durable = found
-        self.restored_step = own.step
+        self.restored_step = own.step  # named by the Trainer's error when the decoding below fails
         restored = fast_tier.decode_parts(
             own, in_durable, parts, rank=self.rank, world_size=self.world_size, device=device
         )
