@@ -41,6 +41,8 @@ def main(rank: int, world: int, port: int, root: str) -> None:
     assert collectives.broadcast(f"token-{rank}", dist) == "token-0"
     assert collectives.all_max([rank, -rank, 0], dist) == [world - 1, 0, 0]
     assert collectives.all_gather(rank * 10, dist) == [r * 10 for r in range(world)]
+    sent = [b"ab", b"", b"cde"] if rank == 0 else None
+    assert [bytes(b) for b in collectives.broadcast_bytes(sent, [2, 0, 3], dist)] == [b"ab", b"", b"cde"]
     late = collectives.LateBroadcast()
     late.start([rank + 7], dist)
     assert late.result() == [7]

@@ -21,15 +21,22 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vertexrt import audit
-from vertexrt.checkpoint import dcp, restoring, serialization, step_writer, storage
-from vertexrt.checkpoint import manifest as manifest_format
+from vertexrt.checkpoint import (
+    dcp,
+    restoring,
+    save_metrics,
+    serialization,
+    shard_restore,
+    step_writer,
+    storage,
+)
+from vertexrt.checkpoint.after_commit import AfterCommit
 from vertexrt.checkpoint.decision import SaveDecision
 from vertexrt.checkpoint.manifest import FORMAT, FORMAT_VERSION
 from vertexrt.checkpoint.policies import (
-    CheckpointInfo,
     EveryNSteps,
     KeepLast,
     KeepPolicy,
@@ -37,14 +44,14 @@ from vertexrt.checkpoint.policies import (
     SavePolicy,
     observe_save_cost,
 )
+from vertexrt.checkpoint.preemption_watch import PreemptionWatch
 from vertexrt.checkpoint.resuming import log_resuming
 from vertexrt.checkpoint.retention import Retention
+from vertexrt.checkpoint.tiers import attach as fast_tier
+from vertexrt.checkpoint.tiers.config import FastTier
 from vertexrt.distributed import collectives
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, ConfigError, StepExistsError
 from vertexrt.phases import long_phase
-
-if TYPE_CHECKING:
-    from vertexrt.checkpoint.tiers import FastTier
 
 log = logging.getLogger(__name__)
 
@@ -105,29 +112,26 @@ class CheckpointManager:
             raise ConfigError(f"CheckpointManager: rank {self.rank} is outside world_size {self.world_size}")
         self._strategy = storage.strategy_for(self.directory, stale_after)
         self._retention = Retention(self._strategy, self.keep_policy, self._manifest)
+        self._after_commit = AfterCommit(self._strategy, self._retention)  # rank 0: retire, retention
         self._site = step_writer.Site(
-            self.directory, self._strategy, self.rank, self.world_size, committed=self._committed
+            self.directory, self._strategy, self.rank, self.world_size, committed=self._after_commit
         )
         self._writer_group: Any = None  # the gloo group of the writer thread's collectives (sharded saves)
         self._decide_policy = SaveDecision(self.save_policy, self.world_size)
         self._start = time.time()
         self._last: tuple[int | None, float | None] = (None, None)  # (step, time) of the previous save
         self._writer: ThreadPoolExecutor | None = None  # one long-lived writer thread, made on first use
-        self._deleter: ThreadPoolExecutor | None = None  # one retention thread, fed by the writer
         self._pending: Future[None] | None = None  # the save in flight
-        self._deleting: Future[None] | None = None  # the newest retention pass
         self._committed_once = False  # the first commit is logged at INFO, the routine ones at DEBUG
         self._staging: Any = None
-        self._subscription: Any = None
-        self._vote: Any = None
-        self._preempted = False
+        self._preemption = PreemptionWatch()
         self._closed = False
         self.restored_step: int | None = None
         if self.rank == 0:
             removed = self._strategy.cleanup() + self._retention.sweep()
             if removed:
                 log.info("removed unfinished checkpoint leftovers in %s: %s", self.directory, removed)
-        self._fast = self._fast_tier(fast)
+        self._fast = fast_tier.attach(fast, self._site, allow_pickle=allow_pickle)
         if save_on_preemption:
             self.save_on_preemption()
 
@@ -135,13 +139,13 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first (not verified; see :meth:`latest_step`)."""
-        self._join_deleter()
+        self._after_commit.join()
         return self._strategy.committed_steps()
 
     def latest_step(self) -> int | None:
         """The newest committed step whose manifest reads and whose data files are all present, or None."""
         self._raise_finished_error()
-        self._join_deleter()
+        self._after_commit.join()
         for step in reversed(self._strategy.committed_steps()):
             try:
                 restoring.check_files(self._strategy, step, self._manifest(step))
@@ -178,7 +182,7 @@ class CheckpointManager:
                 checkpoint, or the target does not match.
         """
         self.wait()
-        fast = self._fast_restore(target) if step is None else None  # newest everywhere: read nothing here
+        fast = fast_tier.newest(self._fast, self._strategy, target) if step is None else None
         loaded: restoring.Loaded | None
         if fast is not None:
             loaded = fast
@@ -215,10 +219,8 @@ class CheckpointManager:
             return None
         result = restoring.decode(loaded, target, device)
         if step is None:  # the newest step: a resume (the Trainer and Lightning name their step and log)
-            log_resuming(self.directory if fast is None else self._fast.directory, loaded.step)
-        self.restored_step = loaded.step
-        audit.event("resume", step=loaded.step)
-        self._last = (loaded.step, None)
+            log_resuming(self.directory if fast is None else str(self.fast_directory), loaded.step)
+        self._resumed(loaded.step)
         return result
 
     # -- writing -------------------------------------------------------------------------------------------
@@ -248,7 +250,9 @@ class CheckpointManager:
         if isinstance(step, bool) or not hasattr(step, "__index__") or operator.index(step) < 0:
             raise ConfigError(f"save(step={step!r}): the step must be an integer >= 0")
         step = operator.index(step)
-        if self._fast is not None and not self._fast.on_save(step, state, preempted=self._preempted):
+        if self._fast is not None and not self._fast.on_save(
+            step, state, preempted=self._preemption.preempted
+        ):
             return False  # an emergency save that would not fit in the grace period: fast tier only
         if not self._decide(step, force):
             return False
@@ -260,7 +264,7 @@ class CheckpointManager:
     ) -> bool:
         self.wait()
         if dcp.holds_dtensors(state):  # sharded (DTensor) state: every rank writes its shards via DCP
-            dcp.save(self._site, step, state, _read_metrics(_metrics(metrics)), overwrite)
+            dcp.save(self._site, step, state, save_metrics.read(save_metrics.snapshot(metrics)), overwrite)
             self._last = (step, time.time())
             return True
         dist = collectives.torch_dist()
@@ -285,19 +289,19 @@ class CheckpointManager:
             token = storage.new_token()
         tree, leaves = serialization.encode(state, allow_pickle=self.allow_pickle)
         nodes = [node for node, _ in leaves]
-        clean_metrics = _metrics(metrics)
+        clean_metrics = save_metrics.snapshot(metrics)
         self._last = (step, time.time())
-        blocking = not self.async_save or self._preempted or self._notice_arrived()
+        blocking = not self.async_save or self._preemption.preempted or self._preemption.arrived_here()
         encoded = [enc for _, enc in leaves]
         buffers = self._stager().stage(encoded, copy_host=False) if blocking else self._snapshot(encoded)
         args = (step, tree, nodes, buffers, clean_metrics, token, shard, overwrite)
         audit.event("save", step=step, asynchronous=not blocking)
         if blocking:
-            self._write_measured(*args)
+            self._write(*args)
         else:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-writer")
-            self._pending = self._writer.submit(self._write_measured, *args)
+            self._pending = self._writer.submit(self._write, *args)
         return True
 
     def wait(self) -> None:
@@ -308,7 +312,7 @@ class CheckpointManager:
             if pending is not None:
                 pending.result()
         finally:
-            self._join_deleter()
+            self._after_commit.join()
         if self._fast is not None:
             self._fast.wait()
 
@@ -325,18 +329,15 @@ class CheckpointManager:
             if self._staging is not None:  # the stager: its copy threads and pinned arena
                 self._staging.close()
                 self._staging = None
-            for pool in (self._writer, self._deleter):
-                if pool is not None:
-                    pool.shutdown(wait=True)
-            for drain in (self._decide_policy.drain, getattr(self._vote, "drain", None)):
-                if drain is not None:
-                    try:
-                        drain()
-                    except Exception as exc:  # e.g. the process group is gone already
-                        log.debug("draining a collective at close: %s", exc)
-            if self._subscription is not None:
-                self._subscription.close()
-                self._subscription = None
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+            self._after_commit.close()
+            for drain in (self._decide_policy.drain, self._preemption.drain):
+                try:
+                    drain()
+                except Exception as exc:  # e.g. the process group is gone already
+                    log.debug("draining a collective at close: %s", exc)
+            self._preemption.close()
             if self._writer_group is not None:  # destroyed now: one left to interpreter teardown can abort
                 group, self._writer_group = self._writer_group, None
                 try:
@@ -366,10 +367,7 @@ class CheckpointManager:
         Poll :meth:`preemption_requested` at step boundaries; when True, ``save(step, state, force=True)``
         (synchronous from then on), ``close()`` and exit with status 143 (128 + SIGTERM).
         """
-        if self._subscription is None:
-            from vertexrt.preemption.signals import preemption_signal
-
-            self._subscription = preemption_signal().subscribe()
+        self._preemption.subscribe()
 
     def preemption_requested(self) -> bool:
         """True once SIGTERM arrived on any rank; all ranks must call it at the same points.
@@ -377,18 +375,7 @@ class CheckpointManager:
         With torch.distributed the ranks agree one call after the notice (a non-blocking vote), so they
         all see True at the same call.
         """
-        if self._vote is None:
-            from vertexrt.preemption.vote import StopVote
-
-            self._vote = StopVote()
-        local = self._subscription is not None and bool(self._subscription.requested)
-        if self._vote(local):
-            if not self._preempted and self._subscription is not None and not local:
-                from vertexrt.preemption.signals import preemption_signal
-
-                preemption_signal().request()  # decided by another rank: the same notice here
-            self._preempted = True
-        return self._preempted
+        return self._preemption.requested()
 
     # -- one step into several sub-trees (the Trainer's restore) ---------------------------------------------
 
@@ -399,7 +386,8 @@ class CheckpointManager:
         body of a replicated step); the decoded trees, in order. Every rank calls it together.
 
         Rank 0 alone reads the step's manifest and lists its files; each rank receives the header and the
-        bodies of its own parts (one object gather, one scatter), then reads and checksums their data.
+        bodies of its own parts (one object gather, one scatter), then reads and checksums their data
+        (:mod:`vertexrt.checkpoint.shard_restore`).
 
         Raises:
             CheckpointCorruptError: the step is damaged (on every rank when rank 0 found it so).
@@ -407,34 +395,13 @@ class CheckpointManager:
                 written through DCP, or reading failed on rank 0.
         """
         self.wait()
-        dist = collectives.torch_dist() if self.world_size > 1 else None
-        wanted = [self.rank if shard is None else shard for _, shard in parts]
-        everyone = collectives.gather(wanted, dist)
-        offer = collectives.scatter(
-            self._offer_shards(step, everyone) if everyone is not None else None, dist
+        results = shard_restore.restore(
+            self._site, step, parts, allow_pickle=self.allow_pickle, device=device
         )
-        if offer[0] == "damaged":
-            raise CheckpointCorruptError(offer[1])
-        if offer[0] == "fatal":
-            raise CheckpointError(offer[1])
-        _, header, bodies = offer
-        loaded = [  # a body file of format version 2 is read here, by the rank that needs it (one request)
-            restoring.verify(
-                self._strategy,
-                step,
-                header,
-                restoring.read_body(self._strategy, step, header, entry),
-                allow_pickle=self.allow_pickle,
-            )
-            for entry in bodies
-        ]
-        results = [
-            restoring.decode(one, target, device) for one, (target, _) in zip(loaded, parts, strict=True)
-        ]
-        self.restored_step = step
-        audit.event("resume", step=step)
-        self._last = (step, None)
+        self._resumed(step)
         return results
+
+    # -- the fast tier (vertexrt.checkpoint.tiers) ----------------------------------------------------------
 
     @property
     def fast_directory(self) -> str | None:
@@ -445,7 +412,8 @@ class CheckpointManager:
         self, parts: Sequence[tuple[Any, int | None]], *, device: Any = None
     ) -> tuple[list[Any], bool] | None:
         """Load the fast tier's newest step that every rank can get into ``parts`` (``(target, shard)``:
-        shard None or this rank for this rank's own state, 0 for rank 0's, which rank 0 broadcasts); the
+        shard None or this rank for this rank's own state, 0 for rank 0's, which rank 0 broadcasts: its
+        tree in one object broadcast, its bytes as raw tensors; :mod:`vertexrt.checkpoint.tiers.attach`); the
         decoded trees in order, and whether the durable tier holds that step too. None when there is no
         fast tier or no fast step as new as the durable tier's newest (then :meth:`restore_shards` a
         durable step). Every rank calls it together.
@@ -454,110 +422,28 @@ class CheckpointManager:
             ConfigError: a part asks for another rank's state than rank 0's.
             CheckpointError: the fast tier failed on some rank for a reason other than a damaged copy.
         """
-        for _, shard in parts:
-            if shard not in (None, self.rank, 0):
-                raise ConfigError(
-                    f"restore_fast_shards(shard={shard}) on rank {self.rank}: the fast tier gives this "
-                    "rank's own state (shard None) and rank 0's (shard 0)"
-                )
+        fast_tier.check_parts(parts, self.rank)
         if self._fast is None:
             return None
         self.wait()
-        newest_durable: list[int | None] = [None]  # rank 0: what the fast tier compared with
-
-        def durable_steps() -> list[int]:
-            steps = self._strategy.committed_steps()
-            newest_durable[0] = max(steps, default=None)
-            return steps
-
-        own: restoring.Loaded | None = self._fast.restore(durable_steps)
-        if own is None:
+        found = fast_tier.newest_with_durable(self._fast, self._strategy)
+        if found is None:
             return None
-        self.restored_step = own.step
-        dist = collectives.torch_dist() if self.world_size > 1 else None
-        [wanted] = collectives.all_max([int(self.rank != 0 and any(s == 0 for _, s in parts))], dist)
-        chiefs = own if self.rank == 0 and wanted else None  # rank 0's state at the agreed step
-        in_durable, chiefs = collectives.broadcast((newest_durable[0] == own.step, chiefs), dist)
-        values = [
-            restoring.decode(own if shard in (None, self.rank) else chiefs, target, device)
-            for target, shard in parts
-        ]
-        audit.event("resume", step=own.step)
-        self._last = (own.step, None)
-        return values, bool(in_durable)
-
-    def _offer_shards(self, step: int, wanted: list[list[int]]) -> list[tuple[Any, ...]]:
-        """Rank 0's side of :meth:`restore_shards`: one message per rank (an error is every rank's)."""
-        try:
-            manifest = restoring.read_manifest(self._strategy, step)
-            if dcp.written_here(manifest):
-                raise CheckpointError(
-                    f"checkpoint step {step} in {self.directory} was written through DCP (sharded modules) "
-                    "and this state holds none: restore it with the sharded modules it was saved from"
-                )
-            bodies = [
-                [
-                    restoring.body_for(self._strategy, step, manifest, world_size=self.world_size, shard=s)
-                    for s in shards
-                ]
-                for shards in wanted
-            ]
-            restoring.check_files(self._strategy, step, manifest)
-        except CheckpointCorruptError as exc:
-            return [("damaged", str(exc))] * len(wanted)
-        except CheckpointError as exc:
-            return [("fatal", str(exc))] * len(wanted)
-        except Exception as exc:  # e.g. EIO on a FUSE mount: every rank stops, none is left waiting
-            why = f"reading checkpoint step {step} in {self.directory} failed: {type(exc).__name__}: {exc}"
-            return [("fatal", why)] * len(wanted)
-        header = restoring.header_of(manifest)
-        return [("load", header, mine) for mine in bodies]
-
-    # -- the fast tier (vertexrt.checkpoint.tiers) ----------------------------------------------------------
-
-    def _fast_tier(self, fast: FastTier | None) -> Any:
-        from vertexrt.checkpoint.tiers.config import FastTier
-
-        tier = fast if fast is not None else FastTier.from_environment()
-        if tier is None:
-            return None
-        if not isinstance(tier, FastTier):
-            raise ConfigError(f"CheckpointManager(fast={tier!r}): pass a vertexrt.checkpoint.FastTier")
-        from vertexrt.checkpoint.tiers.engine import FastCheckpoints
-
-        return FastCheckpoints(
-            tier,
-            durable_directory=self.directory,
-            rank=self.rank,
-            world_size=self.world_size,
-            allow_pickle=self.allow_pickle,
+        own, in_durable = found
+        self.restored_step = own.step  # named by the Trainer's error when the decoding below fails
+        restored = fast_tier.decode_parts(
+            own, in_durable, parts, rank=self.rank, world_size=self.world_size, device=device
         )
-
-    def _fast_restore(self, target: Any) -> restoring.Loaded | None:
-        """The fast tier's newest step when every rank can get it and it is not older than the durable one."""
-        if self._fast is None or dcp.holds_dtensors(target):
-            return None
-        loaded: restoring.Loaded | None = self._fast.restore(self._strategy.committed_steps)
-        return loaded
-
-    def _write_measured(self, *args: Any) -> None:
-        """:meth:`_write`, its rate reported to the fast tier (which sizes an emergency save with it) and its
-        duration to the save policy (``YoungDaly`` learns the save cost)."""
-        began = time.monotonic()
-        self._write(*args)
-        seconds = time.monotonic() - began
-        if self._fast is not None:
-            self._fast.observe_durable_write(sum(len(b) for b in args[3]), seconds)
-        observe_save_cost(self.save_policy, seconds)
+        self._resumed(own.step)
+        return restored
 
     # -- internals -----------------------------------------------------------------------------------------
 
-    def _notice_arrived(self) -> bool:
-        if self._subscription is None:
-            return False
-        from vertexrt.preemption.signals import preemption_signal
-
-        return preemption_signal().requested
+    def _resumed(self, step: int) -> None:
+        """``step`` was restored: the save policy counts from it."""
+        self.restored_step = step
+        audit.event("resume", step=step)
+        self._last = (step, None)
 
     def _decide(self, step: int, force: bool) -> bool:
         last_step, last_time = self._last
@@ -596,19 +482,22 @@ class CheckpointManager:
         overwrite: bool,
     ) -> None:
         together = shard is not None and self.world_size > 1
-        written = step_writer.write(
-            self._site,
-            step,
-            token,
-            shard=shard,
-            nodes=nodes,
-            buffers=buffers,
-            tree=tree,
-            metrics=_read_metrics(metrics),  # device metrics: read here, after the state's copies
-            overwrite=overwrite,
-            dist=collectives.torch_dist() if together else None,
-            group=self._writer_group if together else None,
-        )
+        began = time.monotonic()
+        with fast_tier.durable_write(self._fast, buffers):  # the fast tier's measure of the durable rate
+            written = step_writer.write(
+                self._site,
+                step,
+                token,
+                shard=shard,
+                nodes=nodes,
+                buffers=buffers,
+                tree=tree,
+                metrics=save_metrics.read(metrics),  # device metrics: read here, after the state's copies
+                overwrite=overwrite,
+                dist=collectives.torch_dist() if together else None,
+                group=self._writer_group if together else None,
+            )
+        observe_save_cost(self.save_policy, time.monotonic() - began)  # YoungDaly learns the save cost
         if written is None:  # a rank other than 0: its shard is in the committed step
             return
         if self._committed_once:
@@ -620,30 +509,6 @@ class CheckpointManager:
             )
         audit.event("commit", step=step)
 
-    def _committed(self, step: int, token: str, manifest: dict[str, Any], replaced: bytes | None) -> None:
-        """Rank 0, after a commit: retire a replaced version's files, apply retention in the background."""
-        if replaced is not None:
-            self._retire(step, replaced, manifest)
-        self._retention.infos[step] = CheckpointInfo(step, manifest["time"], manifest["metrics"])
-        if self._deleter is None:
-            self._deleter = ThreadPoolExecutor(1, thread_name_prefix="vertexrt-checkpoint-retention")
-        self._deleting = self._deleter.submit(self._retention.apply, step, token)
-
-    def _retire(self, step: int, replaced: bytes, manifest: dict[str, Any]) -> None:
-        """Delete the files of the version an overwrite replaced (the new manifest names none of them)."""
-        name = self._strategy.store.join(self._strategy.step_dir(step), storage.MANIFEST)
-        try:
-            old = manifest_format.referenced(manifest_format.parse(replaced, name=name))
-        except CheckpointError as exc:
-            log.warning("the replaced manifest of step %d was unreadable (%s): its files stay", step, exc)
-            return
-        self._strategy.remove_files(step, sorted(old - manifest_format.referenced(manifest)))
-
-    def _join_deleter(self) -> None:
-        deleting, self._deleting = self._deleting, None
-        if deleting is not None:
-            deleting.result()
-
     def _manifest(self, step: int) -> dict[str, Any]:
         return restoring.read_manifest(self._strategy, step)
 
@@ -654,61 +519,3 @@ class CheckpointManager:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"the CheckpointManager for {self.directory} is closed")
-
-
-def _metrics(metrics: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The metrics as floats, or :class:`_TensorMetric` snapshots for tensors (read later, without a sync)."""
-    from vertexrt.checkpoint import adapters
-
-    out: dict[str, Any] = {}
-    for key, value in (metrics or {}).items():
-        if adapters.is_torch_tensor(value):
-            out[str(key)] = _TensorMetric(str(key), value)
-            continue
-        try:
-            out[str(key)] = float(value)
-        except (TypeError, ValueError):
-            raise CheckpointError(f"metrics[{key!r}] = {value!r} is not a number") from None
-    return out
-
-
-def _read_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    return {key: float(value) for key, value in metrics.items()}
-
-
-class _TensorMetric:
-    """A one-element tensor metric copied to host memory without waiting for the GPU; ``float()`` reads it.
-
-    A CUDA value is copied non-blocking into pinned memory behind an event on its stream; ``float()`` (on the
-    writer) waits for that event only, never on the training thread's ``save()``.
-    """
-
-    def __init__(self, key: str, value: Any) -> None:
-        import torch
-
-        if value.numel() != 1 or value.is_complex():
-            raise CheckpointError(
-                f"metrics[{key!r}] is a tensor of shape {list(value.shape)} and dtype {value.dtype}; "
-                "pass one real number per metric"
-            )
-        self.event: Any = None
-        source = value.detach().reshape(())
-        if source.device.type == "cuda":
-            self.host = torch.empty((), dtype=source.dtype, pin_memory=True)
-            self.host.copy_(source, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(source.device))
-        else:
-            self.host = source.to("cpu", copy=True)
-
-    def __float__(self) -> float:
-        if self.event is not None:
-            self.event.synchronize()
-        return float(self.host)
-
-
-def _quietly(fn: Any, *args: Any) -> None:
-    try:
-        fn(*args)
-    except Exception as exc:
-        log.debug("cleanup after a failed save: %s", exc)

@@ -7,6 +7,7 @@ initialised a process group.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -44,6 +45,83 @@ def broadcast(value: Any, dist: Any | None, *, group: Any = None) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0, group=group if group is not None else cpu_group(dist))
     return box[0]
+
+
+#: :func:`broadcast_bytes` sends consecutive buffers in runs of at most this many bytes (a larger one alone).
+BROADCAST_RUN_BYTES = 64 << 20
+
+
+def broadcast_bytes(
+    buffers: Sequence[Any] | None,
+    sizes: Sequence[int],
+    dist: Any | None,
+    *,
+    group: Any = None,
+    run_bytes: int = BROADCAST_RUN_BYTES,
+) -> list[Any]:
+    """Rank 0's byte buffers on every rank, sent as raw uint8 CPU tensors on the CPU side group (or
+    ``group``), never pickled: the bulk of a state beside its small header, which :func:`broadcast` sends.
+
+    ``buffers``: rank 0's bytes-like objects or 1-D uint8 arrays (None elsewhere); ``sizes``: their lengths,
+    the same on every rank (rank 0's, e.g. sent ahead in that header). Consecutive buffers travel in runs of
+    at most ``run_bytes`` (one broadcast each; a larger buffer alone, without a copy when it is writable).
+    Rank 0 gets its ``buffers`` back; the others 1-D uint8 numpy arrays (views of one tensor per run).
+
+    Example:
+        >>> broadcast_bytes([b"header", b""], [6, 0], None)
+        [b'header', b'']
+    """
+    if dist is None or dist.get_world_size() == 1:
+        assert buffers is not None
+        return list(buffers)
+    import numpy as np
+    import torch
+
+    chief = dist.get_rank() == 0
+    group = group if group is not None else cpu_group(dist)
+    received: list[Any] = []
+    for run in _runs(sizes, run_bytes):
+        total = sum(sizes[i] for i in run)
+        if chief:
+            assert buffers is not None
+            arrays = [np.frombuffer(buffers[i], dtype=np.uint8) for i in run]
+            if len(arrays) == 1 and arrays[0].flags.writeable:
+                flat = arrays[0]
+            else:
+                flat = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.uint8)
+            if len(flat) != total:
+                raise ValueError(f"broadcast_bytes: buffers {run} hold {len(flat)} bytes, sizes say {total}")
+            if total:
+                dist.broadcast(torch.from_numpy(flat), src=0, group=group)
+            continue
+        tensor = torch.empty(total, dtype=torch.uint8)
+        if total:
+            dist.broadcast(tensor, src=0, group=group)
+        flat = tensor.numpy()
+        offset = 0
+        for i in run:
+            received.append(flat[offset : offset + sizes[i]])
+            offset += sizes[i]
+    if chief:
+        assert buffers is not None
+        return list(buffers)
+    return received
+
+
+def _runs(sizes: Sequence[int], run_bytes: int) -> list[list[int]]:
+    """The indices of ``sizes`` in consecutive runs of at most ``run_bytes`` (a larger size alone)."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for index, size in enumerate(sizes):
+        if current and total + size > run_bytes:
+            runs.append(current)
+            current, total = [], 0
+        current.append(index)
+        total += size
+    if current:
+        runs.append(current)
+    return runs
 
 
 def gather(value: Any, dist: Any | None, *, group: Any = None) -> list[Any] | None:

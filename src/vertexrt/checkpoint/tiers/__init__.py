@@ -6,6 +6,8 @@
 - :mod:`.plan`: the newest step every rank can get (own copy, a peer's copy, else the durable tier);
 - :mod:`.grace`: the emergency save sized to the preemption grace period;
 - :mod:`.engine`: the asynchronous snapshot / write / send, the restore and the emergency, for the manager.
+- :mod:`.attach`: the manager's side (the tier from its options, restoring one tree or the Trainer's parts
+  with rank 0's state sent as raw bytes, the durable write rate).
 
 Example:
     >>> from vertexrt.checkpoint import CheckpointManager, EveryNSteps, FastTier
