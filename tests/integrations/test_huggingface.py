@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import run_job
+from jobs import run_job, run_ranks
 
 pytest.importorskip("transformers", reason="the huggingface extra (transformers) is not installed")
 pytest.importorskip("accelerate", reason="the huggingface extra (accelerate) is not installed")
@@ -310,6 +310,34 @@ def test_a_step_is_not_committed_when_an_uploaded_file_is_not_on_the_bucket(
     with pytest.raises(CheckpointError, match=r"checkpoint-4 not committed .*rng_state.pth is missing"):
         train(vertex, max_steps=4)
     assert MARKER not in objects(output, 4) and vertex.complete_steps() == []
+
+
+TWO_RANKS = """
+import os, sys
+rank, port, output, stage = sys.argv[1:]
+os.environ.update(RANK=rank, WORLD_SIZE="2", LOCAL_RANK=rank, LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=port)
+sys.path.insert(0, os.path.dirname(os.path.abspath({test!r})))
+from test_huggingface import train
+from vertexrt.integrations.huggingface import VertexTrainerCallback
+train(VertexTrainerCallback(output, staging_dir=stage + rank), max_steps=4)
+"""
+
+
+@pytest.mark.slow  # ~50 s on the loaded 2-core machine (two transformers imports, gloo DDP)
+def test_two_ranks_commit_a_marker_that_lists_both_ranks_files(job: Path, gcs_server: Any) -> None:
+    """Each rank uploads its own files (rank 1: its RNG state); the marker lists what every rank uploaded."""
+    output = f"gs://{gcs_server.bucket}/{job.name}/ckpt"
+    script = job / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(test=__file__))
+    argv = lambda rank, port: [str(rank), str(port), output, str(job / "stage")]  # noqa: E731
+    for code, _, err in run_ranks(str(script), 2, argv, timeout=120):
+        assert code == 0, err[-3000:]
+    with paths.open(f"{output}/checkpoint-4/{MARKER}", "rb") as f:
+        files = json.loads(f.read())["files"]
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= set(files)
+    assert files == {name: size for name, size in objects(output, 4).items() if name != MARKER}
+    assert not any(name.startswith("rng_state_1") for name in os.listdir(job / "stage0" / "checkpoint-4"))
 
 
 def test_every_ranks_files_are_merged_into_one_list_and_a_conflict_is_an_error() -> None:
