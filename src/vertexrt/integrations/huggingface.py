@@ -203,7 +203,14 @@ class VertexTrainerCallback(TrainerCallback):
     def resume_from_checkpoint(self) -> str | None:
         """The newest complete checkpoint as a local directory for ``trainer.train(resume_from_checkpoint=)``,
         downloaded from ``output_dir`` when that is remote; None on a fresh start. Call it on every rank,
-        before training: with a remote ``output_dir`` it first empties the staging dir of ``checkpoint-*``."""
+        before training: with a remote ``output_dir`` it first empties the staging dir of ``checkpoint-*``.
+
+        A committed step whose files differ from its marker's list (one missing, or of another size) is
+        skipped with a WARNING naming it and the file, for the newest older one that checks out.
+
+        Raises:
+            CheckpointError: steps are committed but none checks out (delete ``output_dir`` to start over).
+        """
         if self.remote:
             self._clear_staging()
         step = self._usable_step()
