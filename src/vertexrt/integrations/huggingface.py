@@ -259,7 +259,7 @@ class VertexTrainerCallback(TrainerCallback):
             if problem is None:
                 return step, None
             log.warning(
-                "not resuming from checkpoint-%d in %s: %s; falling back to the step before",
+                "not resuming from checkpoint-%d in %s: %s; trying the committed step before it",
                 step, paths.redact(self.output_dir), problem,
             )  # fmt: skip
             damaged.append(f"checkpoint-{step}: {problem}")
