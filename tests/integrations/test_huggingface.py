@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import run_job
+from jobs import run_job, run_ranks
 
 pytest.importorskip("transformers", reason="the huggingface extra (transformers) is not installed")
 pytest.importorskip("accelerate", reason="the huggingface extra (accelerate) is not installed")
@@ -24,8 +24,13 @@ import torch  # noqa: E402
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from vertexrt import paths  # noqa: E402
-from vertexrt.errors import ConfigError  # noqa: E402
-from vertexrt.integrations.huggingface import MARKER, VertexTrainerCallback, export_model  # noqa: E402
+from vertexrt.errors import CheckpointError, ConfigError  # noqa: E402
+from vertexrt.integrations.huggingface import (  # noqa: E402
+    MARKER,
+    VertexTrainerCallback,
+    export_model,
+    merge_file_lists,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
 
@@ -227,6 +232,120 @@ def test_a_commit_uploads_no_file_an_earlier_job_left_in_the_staging_dir(
     assert uploaded == committed, (
         f"committed files an earlier job left: {sorted(set(uploaded) - set(committed))}"
     )
+
+
+def objects(output: str, step: int) -> dict[str, int]:
+    """The objects of ``checkpoint-<step>`` on the bucket: name → bytes (one fresh listing)."""
+    fs, root = paths.filesystem(f"{output}/checkpoint-{step}")
+    fs.invalidate_cache()
+    return {path.rsplit("/", 1)[-1]: int(info["size"]) for path, info in fs.find(root, detail=True).items()}
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_resume_falls_back_past_a_committed_step_whose_rng_state_is_missing_or_truncated(
+    job: Path, gcs_server: Any, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """The Trainer resumes without a missing RNG (or optimizer) file and says so only at INFO level: the
+    weights then silently differ from an uninterrupted run. The marker lists every file with its size."""
+    output = f"gs://{gcs_server.bucket}/{job.name}/ckpt"
+    vertex = VertexTrainerCallback(output, staging_dir=str(job / "stage"))
+    train(vertex, max_steps=8)
+    on_bucket = objects(output, 8)
+    with paths.open(f"{output}/checkpoint-8/{MARKER}", "rb") as f:
+        marker = json.loads(f.read())
+    assert marker["step"] == 8 and "rng_state.pth" in marker["files"]
+    assert marker["files"] == {name: size for name, size in on_bucket.items() if name != MARKER}
+
+    rng = f"{output}/checkpoint-8/rng_state.pth"
+    fs, path = paths.filesystem(rng)
+    if damage == "deleted":
+        fs.rm(path)
+    else:
+        with paths.open(rng, "rb") as f:
+            head = f.read(on_bucket["rng_state.pth"] // 2)
+        with paths.open(rng, "wb") as f:
+            f.write(head)
+    second = VertexTrainerCallback(output, staging_dir=str(job / "attempt2"))
+    assert second.complete_steps() == [4, 8]  # committed, but not usable
+    with caplog.at_level(logging.WARNING, logger="vertexrt.integrations.huggingface"):
+        resume = second.resume_from_checkpoint()
+    assert resume is not None and resume.endswith("checkpoint-4")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("checkpoint-8" in m and "rng_state.pth" in m for m in warned), warned
+    said = "is missing" if damage == "deleted" else f"has {len(head)} bytes, not the"
+    assert said in warned[-1], warned
+
+    fs.rm(paths.filesystem(f"{output}/checkpoint-4/optimizer.pt")[1])  # no step checks out: no fresh start
+    with pytest.raises(CheckpointError, match=r"checkpoint-8: rng_state.pth.*checkpoint-4: optimizer.pt"):
+        VertexTrainerCallback(output, staging_dir=str(job / "attempt3")).resume_from_checkpoint()
+
+
+def test_a_step_committed_before_markers_listed_files_resumes_unchecked(job: Path, gcs_server: Any) -> None:
+    """A marker of an older vertexrt holds only the step: such a step is resumed as then (not verified)."""
+    output = f"gs://{gcs_server.bucket}/{job.name}/ckpt"
+    train(VertexTrainerCallback(output, staging_dir=str(job / "stage")), max_steps=4)
+    with paths.open(f"{output}/checkpoint-4/{MARKER}", "wb") as f:
+        f.write(json.dumps({"step": 4}).encode())
+    resume = VertexTrainerCallback(output, staging_dir=str(job / "again")).resume_from_checkpoint()
+    assert (
+        resume is not None and resume.endswith("checkpoint-4") and os.path.isfile(f"{resume}/rng_state.pth")
+    )
+
+
+def test_a_step_is_not_committed_when_an_uploaded_file_is_not_on_the_bucket(
+    job: Path, gcs_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upload that lost a file (injected: the object is removed right after the copy) gets no marker."""
+    output = f"gs://{gcs_server.bucket}/{job.name}/ckpt"
+    upload = paths.upload
+
+    def losing_the_rng_state(local: str, uri: str, **kwargs: Any) -> list[str]:
+        written = upload(local, uri, **kwargs)
+        fs, path = paths.filesystem(f"{uri}/rng_state.pth")
+        fs.rm(path)
+        return written
+
+    monkeypatch.setattr(paths, "upload", losing_the_rng_state)
+    vertex = VertexTrainerCallback(output, staging_dir=str(job / "stage"))
+    with pytest.raises(CheckpointError, match=r"checkpoint-4 not committed .*rng_state.pth is missing"):
+        train(vertex, max_steps=4)
+    assert MARKER not in objects(output, 4) and vertex.complete_steps() == []
+
+
+TWO_RANKS = """
+import os, sys
+rank, port, output, stage = sys.argv[1:]
+os.environ.update(RANK=rank, WORLD_SIZE="2", LOCAL_RANK=rank, LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=port)
+sys.path.insert(0, os.path.dirname(os.path.abspath({test!r})))
+from test_huggingface import train
+from vertexrt.integrations.huggingface import VertexTrainerCallback
+train(VertexTrainerCallback(output, staging_dir=stage + rank), max_steps=4)
+"""
+
+
+@pytest.mark.slow  # ~50 s on the loaded 2-core machine (two transformers imports, gloo DDP)
+def test_two_ranks_commit_a_marker_that_lists_both_ranks_files(job: Path, gcs_server: Any) -> None:
+    """Each rank uploads its own files (rank 1: its RNG state); the marker lists what every rank uploaded."""
+    output = f"gs://{gcs_server.bucket}/{job.name}/ckpt"
+    script = job / "two_ranks.py"
+    script.write_text(TWO_RANKS.format(test=__file__))
+    argv = lambda rank, port: [str(rank), str(port), output, str(job / "stage")]  # noqa: E731
+    for code, _, err in run_ranks(str(script), 2, argv, timeout=120):
+        assert code == 0, err[-3000:]
+    with paths.open(f"{output}/checkpoint-4/{MARKER}", "rb") as f:
+        files = json.loads(f.read())["files"]
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors", "optimizer.pt"} <= set(files)
+    assert files == {name: size for name, size in objects(output, 4).items() if name != MARKER}
+    assert not any(name.startswith("rng_state_1") for name in os.listdir(job / "stage0" / "checkpoint-4"))
+
+
+def test_every_ranks_files_are_merged_into_one_list_and_a_conflict_is_an_error() -> None:
+    rank0 = {"model.safetensors": 900, "optimizer.pt": 1800, "rng_state_0.pth": 14}
+    assert merge_file_lists([rank0, {"rng_state_1.pth": 15}]) == {**rank0, "rng_state_1.pth": 15}
+    assert merge_file_lists([rank0, rank0]) == rank0  # one shared local directory listed by every rank
+    with pytest.raises(CheckpointError, match="rank 1 wrote optimizer.pt with 7 bytes"):
+        merge_file_lists([rank0, {"optimizer.pt": 7}])
 
 
 def test_training_arguments_and_the_callback_must_agree_on_output_dir(job: Path) -> None:

@@ -7,7 +7,9 @@
   cluster model (``CLUSTER_SPEC``, torchrun, ``local-run``): the Trainer itself reads none of them.
 - Checkpoints: the Trainer writes ``checkpoint-N`` to a local directory; on each save every rank copies its
   files to ``<output_dir>/checkpoint-N`` (``gs://``, ``/gcs/`` or local) and rank 0 writes a completion
-  marker *last*. :meth:`~VertexTrainerCallback.resume_from_checkpoint` is the newest step with a marker.
+  marker *last*, listing every rank's files with their sizes, once one listing of the step shows them all.
+  :meth:`~VertexTrainerCallback.resume_from_checkpoint` is the newest step with a marker whose files check
+  out (the Trainer resumes without a missing RNG or optimizer file, and says so only at INFO level).
 - Preemption: on SIGTERM (through :func:`vertexrt.preemption.signals.preemption_signal`, the one owner) all
   ranks agree at a step end (:class:`~vertexrt.preemption.vote.StopVote`), save, commit, and exit 143.
 - Hyperparameter tuning: rank 0 reports ``metric_for_best_model`` after each evaluation.
@@ -36,15 +38,20 @@ from transformers import TrainerCallback
 
 from vertexrt import audit, paths
 from vertexrt.checkpoint.resuming import log_resuming
-from vertexrt.errors import ConfigError
+from vertexrt.distributed import collectives
+from vertexrt.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["MARKER", "VertexTrainerCallback", "export_model", "setup_distributed"]
 
 #: Written into ``checkpoint-N`` last, once every rank's files are there: a step without it is incomplete.
+#: ``{"step": N, "files": {"<name relative to checkpoint-N>": <bytes>, ...}}``; a marker of vertexrt before
+#: the file list has ``step`` only.
 MARKER = "vertexrt-complete.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_MARKER_LIMIT = 8 << 20  # bytes: ~100 k file names; a larger marker is not one vertexrt wrote
+_FILES_LIMIT = 100_000
 
 
 def setup_distributed() -> Any:
@@ -177,35 +184,102 @@ class VertexTrainerCallback(TrainerCallback):
 
     def complete_steps(self) -> list[int]:
         """The steps under ``output_dir`` whose completion marker is present and names them, sorted."""
+        return sorted(self._committed())
+
+    def _committed(self) -> dict[int, dict[str, Any]]:
+        """Each committed step's marker (those present, readable and naming their step)."""
         fs, root = paths.filesystem(self.output_dir)
         if not fs.exists(root):
-            return []
-        steps = []
+            return {}
+        markers = {}
         for entry in fs.ls(root, detail=False):
             found = _CHECKPOINT.match(str(entry).rstrip("/").rsplit("/", 1)[-1])
-            if found and self._marker_step(int(found.group(1))) == int(found.group(1)):
-                steps.append(int(found.group(1)))
-        return sorted(steps)
+            if found:
+                marker = self._read_marker(int(found.group(1)))
+                if marker is not None and marker.get("step") == int(found.group(1)):
+                    markers[int(found.group(1))] = marker
+        return markers
 
     def resume_from_checkpoint(self) -> str | None:
         """The newest complete checkpoint as a local directory for ``trainer.train(resume_from_checkpoint=)``,
         downloaded from ``output_dir`` when that is remote; None on a fresh start. Call it on every rank,
-        before training: with a remote ``output_dir`` it first empties the staging dir of ``checkpoint-*``."""
+        before training: with a remote ``output_dir`` it first empties the staging dir of ``checkpoint-*``.
+
+        A committed step whose files differ from its marker's list (one missing, or of another size) is
+        skipped with a WARNING naming it and the file, for the newest older one that checks out.
+
+        Raises:
+            CheckpointError: steps are committed but none checks out (delete ``output_dir`` to start over).
+        """
         if self.remote:
             self._clear_staging()
-        steps = self.complete_steps()
-        if not steps:
+        step = self._usable_step()
+        if step is None:
             return None
-        name = f"checkpoint-{steps[-1]}"
-        audit.event("resume", step=steps[-1])
+        name = f"checkpoint-{step}"
+        audit.event("resume", step=step)
         if not self.remote:
             return log_resuming(
-                paths.join(self.output_dir, name), steps[-1], result=paths.join(self.output_dir, name)
+                paths.join(self.output_dir, name), step, result=paths.join(self.output_dir, name)
             )
         local = os.path.join(self.local_dir, name)
         paths.download(paths.join(self.output_dir, name), local)
-        log_resuming(paths.join(self.output_dir, name), steps[-1], f"downloaded to {local}")
+        log_resuming(paths.join(self.output_dir, name), step, f"downloaded to {local}")
         return local
+
+    def _usable_step(self) -> int | None:
+        """The newest committed step whose files match its marker: rank 0 lists and checks (each process
+        by itself without torch.distributed), the others receive its answer.
+
+        Raises:
+            CheckpointError: on every rank, when steps are committed but none checks out (as
+                :mod:`vertexrt.checkpoint` does: a damaged newest step falls back to an older one, never to a
+                fresh start over damaged ones).
+        """
+        dist = collectives.torch_dist()
+        answer: tuple[int | None, str | None] = (None, None)
+        if dist is None or dist.get_rank() == 0:
+            try:
+                answer = self._newest_verified()
+            except Exception as exc:  # every rank waits for the answer: send the failure instead
+                answer = (None, f"reading the checkpoints in {paths.redact(self.output_dir)} failed: {exc!r}")
+        step, error = collectives.broadcast(answer, dist)
+        if error is not None:
+            raise CheckpointError(error)
+        return step
+
+    def _newest_verified(self) -> tuple[int | None, str | None]:
+        committed = self._committed()
+        damaged = []
+        for step in sorted(committed, reverse=True):
+            files = committed[step].get("files")
+            if files is None:  # committed by a vertexrt before the file list: resumed unchecked, as then
+                return step, None
+            problem = self._check_files(step, files)
+            if problem is None:
+                return step, None
+            log.warning(
+                "not resuming from checkpoint-%d in %s: %s; trying the committed step before it",
+                step, paths.redact(self.output_dir), problem,
+            )  # fmt: skip
+            damaged.append(f"checkpoint-{step}: {problem}")
+        if damaged:
+            return None, (
+                f"no usable checkpoint in {paths.redact(self.output_dir)}: {'; '.join(damaged)}. Delete the "
+                "directory to start over"
+            )
+        return None, None
+
+    def _check_files(self, step: int, files: Any) -> str | None:
+        """What differs between ``checkpoint-<step>``'s marker ``files`` and one listing of the step; None
+        when every listed file is there with its size."""
+        if (
+            not isinstance(files, dict)
+            or len(files) > _FILES_LIMIT
+            or not all(_valid_name(n) and type(v) is int and v >= 0 for n, v in files.items())
+        ):
+            return f"{MARKER} holds no valid file list (names under the step, sizes in bytes)"
+        return _difference(files, _listing(paths.join(self.output_dir, f"checkpoint-{step}")))
 
     def _clear_staging(self) -> None:
         """Remove the ``checkpoint-*`` copies in the staging directory (an earlier job's, or a partial
@@ -216,17 +290,20 @@ class VertexTrainerCallback(TrainerCallback):
             if _CHECKPOINT.match(entry):
                 shutil.rmtree(os.path.join(self.local_dir, entry), ignore_errors=True)
 
-    def _marker_step(self, step: int) -> int | None:
+    def _read_marker(self, step: int) -> dict[str, Any] | None:
         marker = paths.join(self.output_dir, f"checkpoint-{step}", MARKER)
         try:
             with paths.open(marker, "rb") as f:
-                value = json.loads(f.read(4096)).get("step")
+                data = f.read(_MARKER_LIMIT + 1)
+            if len(data) > _MARKER_LIMIT:
+                raise ValueError(f"over {_MARKER_LIMIT} bytes")
+            value = json.loads(data)
         except FileNotFoundError:
             return None
         except Exception as exc:  # a torn or foreign marker: the step is not complete
             log.warning("ignoring checkpoint-%d: unreadable marker %s (%s)", step, paths.redact(marker), exc)
             return None
-        return value if isinstance(value, int) else None
+        return value if isinstance(value, dict) else None
 
     # -- Trainer events -------------------------------------------------------------------------------
 
@@ -308,9 +385,28 @@ class VertexTrainerCallback(TrainerCallback):
             if os.path.isdir(local):
                 paths.upload(local, target)  # rank 0: weights, optimizer, state; each rank: its RNG state
         _barrier()  # every rank's files are in place
+        dist = collectives.torch_dist()
+        # remote: each rank's own copy, as uploaded; local: one directory that every rank wrote into
+        mine = _local_files(os.path.join(self.local_dir, name)) if self.remote or chief else {}
+        everyone = collectives.gather(mine, dist)
+        files: dict[str, int] = {}
+        problem = None
+        if everyone is not None:
+            try:
+                files = merge_file_lists(everyone)
+                problem = _difference(files, _listing(target))
+            except CheckpointError as exc:
+                problem = str(exc)
+            except Exception as exc:  # every rank waits for the verdict: send the failure instead
+                problem = f"listing {paths.redact(target)} failed: {exc!r}"
+        problem = collectives.broadcast(problem, dist)
+        if problem is not None:
+            raise CheckpointError(
+                f"checkpoint-{step} not committed to {paths.redact(self.output_dir)}: {problem}"
+            )
         if chief:
             with paths.open(paths.join(target, MARKER), "wb") as f:
-                f.write(json.dumps({"step": step}).encode())
+                f.write(json.dumps({"step": step, "files": files}).encode())
             if self.remote and keep:
                 for old in self.complete_steps()[:-keep]:
                     self._remove_marker(old)
@@ -329,6 +425,69 @@ class VertexTrainerCallback(TrainerCallback):
         preemption, self._preemption = self._preemption, None
         if preemption is not None:
             preemption.close()
+
+
+def merge_file_lists(per_rank: list[dict[str, int]]) -> dict[str, int]:
+    """One step's files (relative name → bytes) from every rank's list, in rank order.
+
+    Raises:
+        CheckpointError: two ranks wrote one name with different sizes (the upload that came last won).
+
+    Example:
+        >>> merge_file_lists([{"model.safetensors": 90, "rng_state_0.pth": 14}, {"rng_state_1.pth": 14}])
+        {'model.safetensors': 90, 'rng_state_0.pth': 14, 'rng_state_1.pth': 14}
+    """
+    files: dict[str, int] = {}
+    for rank, listed in enumerate(per_rank):
+        for name, size in listed.items():
+            if files.setdefault(name, size) != size:
+                raise CheckpointError(
+                    f"rank {rank} wrote {name} with {size} bytes, another rank with {files[name]}: each file "
+                    "of a step must come from one rank (or be the same on every rank)"
+                )
+    return dict(sorted(files.items()))
+
+
+def _local_files(folder: str) -> dict[str, int]:
+    """The files under a local ``folder`` (relative name → bytes), the completion marker left out."""
+    files = {}
+    for where, _, names in os.walk(folder):
+        for entry in names:
+            full = os.path.join(where, entry)
+            files[os.path.relpath(full, folder).replace(os.sep, "/")] = os.path.getsize(full)
+    files.pop(MARKER, None)
+    return files
+
+
+def _listing(uri: str) -> dict[str, int]:
+    """The objects under ``uri`` (relative name → bytes), from one fresh listing."""
+    fs, root = paths.filesystem(uri)
+    root = root.rstrip("/")
+    fs.invalidate_cache(root)
+    found = fs.find(root, detail=True)
+    return {
+        path[len(root) + 1 :]: int(info["size"])
+        for path, info in found.items()
+        if path.startswith(root + "/")
+    }
+
+
+def _difference(files: dict[str, int], found: dict[str, int]) -> str | None:
+    """The first file of ``files`` missing from ``found`` or of another size there, said; None if none."""
+    for name, size in sorted(files.items()):
+        if name not in found:
+            return f"{name} is missing (committed with {size} bytes)"
+        if found[name] != size:
+            return f"{name} has {found[name]} bytes, not the {size} committed"
+    return None
+
+
+def _valid_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and name != MARKER
+        and all(part not in ("", ".", "..") for part in name.split("/"))
+    )
 
 
 def _barrier() -> None:
