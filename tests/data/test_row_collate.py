@@ -131,3 +131,12 @@ def test_tf_gives_the_same_numbers_and_names_the_column_of_a_missing_value(tmp_p
     gap = open_dataset(write_jsonl_with_a_gap(tmp_path, "null"), shuffle=False, rank=0, world_size=1)
     with pytest.raises(tf.errors.OpError, match=r"DataError: column 'label' has a missing value"):
         list(gap.as_tf())
+
+
+def test_a_batch_whose_column_is_all_missing_is_refused_not_kept_as_a_list() -> None:
+    from vertexrt.data.torch import collate_rows
+
+    batch = collate_rows([{"label": 1, "name": "a"}, {"label": 2, "name": None}])
+    assert batch["label"].tolist() == [1, 2] and batch["name"] == ["a", None]
+    with pytest.raises(DataError, match=r"column 'label' has a missing value .* row 0 of the batch"):
+        collate_rows([{"label": None, "name": "a"}, {"label": None, "name": "b"}])

@@ -175,7 +175,8 @@ def collate_rows(samples: list[Any]) -> Any:
     batch: dict[str, Any] = {}
     for column in samples[0]:
         values = [sample.get(column) for sample in samples]
-        if all(isinstance(v, str | bytes) for v in values if v is not None):  # text: a list, None kept
+        present = [v for v in values if v is not None]
+        if present and all(isinstance(v, str | bytes) for v in present):  # text: a list, None kept
             batch[column] = values
             continue
         ready = [tensor_value(v, column, row) for row, v in enumerate(values)]
