@@ -19,8 +19,6 @@ READ_SIZE = RANGE_SIZE
 """Bytes asked for per read: large sequential reads are what remote stores are fast at (a Cloud Storage
 object is fetched in ranges of this size, so a read of it takes one whole range, without a copy)."""
 
-GCS_BLOCK_SIZE = 16 << 20
-
 MAX_RECORD_BYTES = 256 << 20
 """Default bound on one record (a line, a CSV record, a TFRecord payload): larger is refused before it is
 buffered, so a corrupt length field or a file without newlines cannot take all memory."""

@@ -95,13 +95,23 @@ class _Passes:
 
 def _records(dataset: Dataset) -> Iterator[Any]:
     """Iterate ``dataset``; column batches as numpy dicts that tf.data takes (``columns.tensor_ready``:
-    TIMESTAMP / DATE as int64 microseconds / days since the epoch, NULL integers as 0)."""
+    TIMESTAMP / DATE as int64 microseconds / days since the epoch, NULL integers as 0); records with their
+    timestamps, dates and decimals as the same numbers, a missing value refused naming its column
+    (``row_values.tensor_value``)."""
     if dataset.columnar:
         from vertexrt.data.columns import numpy_batch, tensor_ready
 
         batches = map(numpy_batch, iter(dataset)) if dataset.arrow else iter(dataset)
         return ({name: tensor_ready(column) for name, column in batch.items()} for batch in batches)
-    return iter(dataset)
+    return map(_row_ready, iter(dataset))
+
+
+def _row_ready(record: Any) -> Any:
+    from vertexrt.data.row_values import tensor_value
+
+    if isinstance(record, dict):
+        return {key: tensor_value(value, str(key)) for key, value in record.items()}
+    return tensor_value(record, "record")
 
 
 def _first_record(dataset: Dataset) -> Any:

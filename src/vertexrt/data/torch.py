@@ -31,7 +31,7 @@ import torch.utils.data
 from torch.utils.data import IterableDataset, get_worker_info
 
 from vertexrt.data.cursor import DONE, Cursor
-from vertexrt.errors import ConfigError
+from vertexrt.errors import ConfigError, DataError
 from vertexrt.phases import long_phase
 
 if TYPE_CHECKING:
@@ -155,6 +155,41 @@ class _SharedReadPlan:
         dataset.use_read_plan(check_record(json.loads(bytes(self.buffer[8 : 8 + size].numpy()).decode())))
 
 
+def collate_rows(samples: list[Any]) -> Any:
+    """torch's ``default_collate`` for records (dicts) of JSONL, CSV, Parquet or BigQuery rows: numbers as
+    tensors, a column of strings (or bytes) as a list, as before; a timestamp / DATETIME column as int64
+    microseconds since 1970-01-01 UTC, DATE as days, TIME as microseconds since midnight, NUMERIC as float
+    (the values ``columnar=True`` gives); a missing value (None, an absent key) in any other column raises a
+    :class:`~vertexrt.errors.DataError` naming the column, instead of a TypeError from inside the loader.
+    :class:`DataLoader` uses it unless given ``collate_fn``; pass it to a plain torch DataLoader yourself.
+
+    Example:
+        >>> loader = torch.utils.data.DataLoader(ds.as_torch(), batch_size=32, collate_fn=collate_rows)
+    """
+    from torch.utils.data import default_collate
+
+    from vertexrt.data.row_values import tensor_value
+
+    if not samples or not isinstance(samples[0], dict):
+        return default_collate(samples)
+    batch: dict[str, Any] = {}
+    for column in samples[0]:
+        values = [sample.get(column) for sample in samples]
+        present = [v for v in values if v is not None]
+        if present and all(isinstance(v, str | bytes) for v in present):  # text: a list, None kept
+            batch[column] = values
+            continue
+        ready = [tensor_value(v, column, row) for row, v in enumerate(values)]
+        try:
+            batch[column] = default_collate(ready)
+        except (TypeError, RuntimeError) as err:
+            raise DataError(
+                f"column {column!r} cannot be batched into a tensor ({err}); convert it in the data, or "
+                "pass collate_fn=... to the DataLoader"
+            ) from err
+    return batch
+
+
 class _CursorCollate:
     """Runs where the batch is collated (the worker): ``(reader, epoch, cursor, collate(samples))``."""
 
@@ -175,14 +210,15 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
 
     Takes a :class:`~vertexrt.data.dataset.Dataset` (or its ``as_torch()``) and the usual DataLoader
     arguments (``batch_size``, ``num_workers``, ``persistent_workers``, ``collate_fn``, ...); over a
-    ``columnar`` dataset each batch is the reader's column batch as tensors (``batch_size=None``). Call
+    ``columnar`` dataset each batch is the reader's column batch as tensors (``batch_size=None``); records
+    are batched by :func:`collate_rows` unless ``collate_fn`` is given. Call
     ``load_state_dict`` before the first iteration. A state resumes on another world size or ``num_workers``
     when its layout is elastic (``shuffle_buffer=1`` with ``equalize`` in force) and it holds every rank's
     readers (:func:`~vertexrt.data.merge_states`).
     """
 
     def __init__(self, dataset: Dataset | TorchIterable, collate_fn: Any = None, **kwargs: Any):
-        from torch.utils.data import default_collate, default_convert
+        from torch.utils.data import default_convert
 
         workers = kwargs.get("num_workers", 0)
         if isinstance(dataset, TorchIterable):
@@ -192,7 +228,7 @@ class DataLoader(torch.utils.data.DataLoader):  # type: ignore[type-arg]
             iterable = TorchIterable(dataset, workers)
         if iterable.dataset.columnar:  # the reader's batches are the loader's batches: no per-row collate
             kwargs.setdefault("batch_size", None)
-        default = default_convert if kwargs.get("batch_size", 1) is None else default_collate
+        default = default_convert if kwargs.get("batch_size", 1) is None else collate_rows
         super().__init__(iterable, collate_fn=_CursorCollate(collate_fn or default, iterable), **kwargs)
         self._reader_cursors: dict[int, dict[str, Any]] = {}
         self._cursors_epoch = iterable.dataset.epoch

@@ -1,7 +1,10 @@
 """Parquet files streamed by row group and record batch (pyarrow); positions are row indices.
 
 A file of several row groups is cut into pieces of whole row groups for several readers
-(:meth:`Parquet.split`); a reader reads only its row groups' column chunks.
+(:meth:`Parquet.split`); a reader reads only the footer and its row groups' column chunks. A Cloud Storage
+object is read by range requests (:class:`~vertexrt.data._ranged.RangedFile`), each under the storage
+deadline and retry policy of :mod:`vertexrt.retries` (``VERTEXRT_STORAGE_TIMEOUT``): a stalled connection
+ends as a :class:`~vertexrt.errors.DataError` naming the file, never a hang.
 
 Example:
     >>> ds = vertexrt.data.open_dataset("gs://b/table/*.parquet", format=Parquet(columns=["x", "y"]))
@@ -14,12 +17,16 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from vertexrt.data._io import GCS_BLOCK_SIZE
+from vertexrt.data._ranged import RangedFile
 from vertexrt.data.formats.base import Errors, FileSource, Format
 from vertexrt.errors import DataError
 
 ROW_SLICE = 1024
 """Rows the row path turns into dicts at a time (a whole record batch's dicts alive at once cost more)."""
+
+
+class _NotParquet(DataError):
+    """The file's bytes are not Parquet: a bad record (skipped with ``on_error="skip"``), not an outage."""
 
 
 class Parquet(Format):
@@ -37,20 +44,33 @@ class Parquet(Format):
         self.batch_rows = batch_rows
 
     def _open(self, source: FileSource) -> tuple[Any, Any]:
+        """The open file and its ``pyarrow.parquet.ParquetFile`` (the footer read).
+
+        Raises:
+            _NotParquet: the bytes are not a Parquet file.
+            DataError: Cloud Storage failed or stalled past the deadline (not skipped as a bad record).
+        """
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         from vertexrt import paths
 
         fs, path = paths.filesystem(source.uri)
-        local = paths.is_local_filesystem(fs)
-        # Local files: let Arrow's own reader open the path (much faster than a Python file object).
-        f = open(path, "rb") if local else paths.open(source.uri, "rb", block_size=GCS_BLOCK_SIZE)  # noqa: SIM115
+        if paths.is_local_filesystem(fs):
+            # Let Arrow's own reader open the path (much faster than a Python file object).
+            f: Any = open(path, "rb")  # noqa: SIM115
+            arrow_file: Any = path
+        else:
+            f = RangedFile(fs, path, source.uri, source.size)
+            arrow_file = pa.PythonFile(f, mode="r")
         try:
-            return f, pq.ParquetFile(path if local else f)
+            return f, pq.ParquetFile(arrow_file)
         except (pa.ArrowInvalid, OSError) as err:
             f.close()
-            raise DataError(f"{source.uri}: not a readable Parquet file ({err})") from None
+            raise _NotParquet(f"{source.uri}: not a readable Parquet file ({err})") from None
+        except BaseException:
+            f.close()
+            raise
 
     def read(
         self, source: FileSource, start: int, end: int | None, errors: Errors
@@ -76,7 +96,7 @@ class Parquet(Format):
         one row group (or an unreadable one: reading it reports why)."""
         try:
             groups = _row_groups(source)
-        except DataError:
+        except _NotParquet:
             return None
         parts = min(parts, len(groups))
         if parts <= 1:
@@ -151,7 +171,7 @@ class Parquet(Format):
             return None
         try:
             return self._open(source)
-        except DataError as err:
+        except _NotParquet as err:
             errors.bad(str(err))
             return None
 
