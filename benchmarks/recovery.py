@@ -13,9 +13,10 @@ loopback relay that counts the bytes the server sends and can throttle both dire
 Per scenario and configuration: the steps lost (last step done - step resumed from), seconds from the
 restart's launch to the end of its first step, bytes read from the server during the restart, and the
 blocking of ``save()`` as a share of the step time. The fast configuration saves fast every ``--fast-every``
-and durable every ``--durable-every`` steps; the baseline saves durable only, every k' steps: k' is the
-blocking of one durable save (a durable-only calibration run saving every ``--fast-every`` steps) over the
-fast configuration's blocking per step. The table shows both blockings as measured.
+and durable every ``--durable-every`` steps; the baseline saves durable only, every k' steps, with k' derived
+at run time (:func:`same_budget`, printed above the table): ceil(seconds one durable save blocks, measured
+in a durable-only run of the same state on the same storage saving every ``--calibrate-every`` steps /
+seconds the fast configuration blocks per step, measured in its own run). The table shows both blockings.
 
 ``--kills N`` adds the durability check: N times, SIGTERM on rank 1 and then a SIGKILL of every rank at a
 random (seeded) moment during the emergency save, with the server throttled; after each, every committed
@@ -40,6 +41,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -221,6 +224,49 @@ def reports(cfg: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return out
 
 
+@dataclass(frozen=True)
+class Budget:
+    """The durable-only baseline at the fast configuration's blocking budget."""
+
+    fast_per_step: float  # seconds save() blocked per step, fast configuration (its durable saves included)
+    durable_per_save: float  # seconds one durable save blocked, durable only, same state and storage
+    interval: (
+        int  # k': a durable-only save every k' steps blocks no more per step than the fast configuration
+    )
+
+    def derivation(self) -> str:
+        return (
+            f"k' = ceil(durable save {self.durable_per_save * 1e3:.1f} ms blocked per save / fast "
+            f"configuration {self.fast_per_step * 1e3:.2f} ms blocked per step) = {self.interval}"
+        )
+
+
+def same_budget(
+    fast_blocked: Mapping[Any, float], durable_blocked: Mapping[Any, float], durable_steps: Iterable[int]
+) -> Budget:
+    """k' from the seconds ``save()`` blocked per step in a fast run (``fast_blocked``: step -> seconds)
+    and in a durable-only run (``durable_blocked``, whose durable saves were at ``durable_steps``); step 0,
+    which sets up the staging, is left out of both. Only the steps that saved count towards a durable
+    save's cost.
+
+    Raises:
+        ValueError: no durable save after step 0, or the fast run never blocked.
+    """
+    fast = [seconds for step, seconds in fast_blocked.items() if int(step) > 0]
+    saves = [
+        durable_blocked[key] for key in durable_blocked if int(key) in set(durable_steps) and int(key) > 0
+    ]
+    if not saves:
+        raise ValueError(
+            f"no durable save after step 0 among steps {sorted(durable_steps)}: nothing to measure"
+        )
+    fast_per_step = sum(fast) / len(fast) if fast else 0.0
+    if fast_per_step <= 0:
+        raise ValueError("the fast run's save() never blocked: no budget to match")
+    durable_per_save = sum(saves) / len(saves)
+    return Budget(fast_per_step, durable_per_save, max(1, math.ceil(durable_per_save / fast_per_step)))
+
+
 def per_step(rep: dict[str, Any]) -> float:
     """Mean seconds ``save()`` blocked per step (step 0, which sets up the staging, left out)."""
     blocked = [v for k, v in rep["blocked"].items() if int(k) > 0]
@@ -307,11 +353,13 @@ class Bench:
         result["emergency_s"] = max(r["stop_s"] for r in done) - signalled if len(done) == WORLD else None
         return result
 
-    def calibrate(self) -> float:
-        """Seconds a durable save blocks ``save()`` (durable only, a save every ``--fast-every`` steps)."""
-        cfg = self.config(0, self.args.fast_every, total=self.args.die_at)
+    def calibrate(self, fast_run: dict[str, Any]) -> Budget:
+        """k' for ``fast_run`` (rank 1's report): a durable-only run of the same state on the same storage,
+        a save every ``--calibrate-every`` steps, gives the seconds one durable save blocks."""
+        cfg = self.config(0, self.args.calibrate_every, total=self.args.die_at)
         launch(cfg, self.env)
-        return per_step(reports(cfg)[1]) * self.args.fast_every
+        durable = reports(cfg)[1]
+        return same_budget(fast_run["blocked"], durable["blocked"], durable["durable_steps"])
 
 
 def wait_marker(cfg: dict[str, Any], procs: list[Any]) -> float:
@@ -485,6 +533,7 @@ def main() -> None:
     parser.add_argument("--fast-every", type=int, default=5)
     parser.add_argument("--durable-every", type=int, default=40)
     parser.add_argument("--die-at", type=int, default=48)
+    parser.add_argument("--calibrate-every", type=int, default=10, help="durable saves timed for k'")
     parser.add_argument("--grace", type=float, default=30.0)
     parser.add_argument("--throttle-mbs", type=float, default=1.0, help="server MB/s while throttled")
     parser.add_argument("--kills", type=int, default=0, help="rounds of the durability check")
@@ -549,7 +598,8 @@ def kills(args: argparse.Namespace, root: str, relay: ThrottledRelay) -> None:
 def table(bench: Bench, args: argparse.Namespace) -> None:
     one = bench.crash(args.fast_every, args.durable_every, wipe=[1])
     fast_per_step = per_step(one["before"][1])
-    k = max(1, math.ceil(bench.calibrate() / max(fast_per_step, 1e-9)))
+    budget = bench.calibrate(one["before"][1])
+    k = budget.interval
     rows = [("one VM lost", "fast", one, fast_per_step)]
     base = bench.crash(0, k, wipe=[1])
     rows.append(("one VM lost", f"durable/{k}", base, per_step(base["before"][1])))
@@ -567,6 +617,7 @@ def table(bench: Bench, args: argparse.Namespace) -> None:
         f"{args.fast_every} + durable every {args.durable_every} vs durable-only every {k} (same blocking); "
         f"failure after step {args.die_at}; SIGTERM rows: server at {args.throttle_mbs} MB/s"
     )
+    print(f"same blocking budget: {budget.derivation()}")
     head = ("scenario", "tiers", "lost", "resumed", "first step s", "GCS MB read", "blocked/step", "note")
     print("{:<22}{:<13}{:>6}{:>9}{:>14}{:>13}{:>14}  {}".format(*head))
     for name, tiers, r, blocked in rows:

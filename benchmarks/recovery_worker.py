@@ -111,7 +111,8 @@ def fork_server() -> None:
     through it: a fresh interpreter importing torch costs seconds a round on a loaded machine; a fork,
     milliseconds."""
     import gcsfs  # noqa: F401
-    import torch.distributed  # noqa: F401
+    import torch.distributed
+    import torch.distributed.tensor  # noqa: F401 (the first save() asks whether the state holds DTensors)
 
     import vertexrt.checkpoint  # noqa: F401
 
