@@ -34,7 +34,9 @@ def main(rank: int, world: int, port: int, cfg: dict) -> int:
     cfg["report"] = cfg["report"].format(rank=rank)
     logging.basicConfig(level=logging.INFO, format=f"%(relativeCreated)d rank {rank}: %(name)s: %(message)s")
     os.environ["VERTEXRT_LOCAL_CHECKPOINT_DIR"] = os.path.join(cfg["local_root"], f"replica{rank}")
+    began = {"start": time.time()}
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    began["group"] = time.time()
     gen = torch.Generator().manual_seed(rank)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -47,11 +49,13 @@ def main(rank: int, world: int, port: int, cfg: dict) -> int:
         fast=FastTier(every=EveryNSteps(fast), peers=1) if fast else None,
         save_on_preemption=cfg["term_at"] >= 0 or cfg.get("term_after") is not None,
     )
+    began["manager"] = time.time()
     restored = mgr.restore(target=state)
+    began["restored"] = time.time()
     start = restored["step"] + 1 if restored else 0
     if cfg.get("term_after") is not None:
         cfg["term_at"] = start + cfg["term_after"]
-    report: dict = {"resumed": mgr.restored_step, "blocked": {}, "durable_steps": []}
+    report: dict = {"resumed": mgr.restored_step, "blocked": {}, "durable_steps": [], "began": began}
     for step in range(start, cfg["total"]):
         time.sleep(cfg["step_seconds"])  # the accelerator's share of the step
         x = torch.randn(8, 4, generator=gen)
@@ -110,11 +114,19 @@ def fork_server() -> None:
     (null: still running), ``{"wait": pid}`` waits for it. The durability check launches its rounds
     through it: a fresh interpreter importing torch costs seconds a round on a loaded machine; a fork,
     milliseconds."""
+    import importlib
+    import pkgutil
+
     import gcsfs  # noqa: F401
     import torch.distributed
     import torch.distributed.tensor  # noqa: F401 (the first save() asks whether the state holds DTensors)
 
-    import vertexrt.checkpoint  # noqa: F401
+    for package in ("checkpoint", "distributed", "preemption"):  # imported once, not compiled by every rank
+        root = importlib.import_module(f"vertexrt.{package}")
+        for module in pkgutil.walk_packages(root.__path__, f"vertexrt.{package}."):
+            importlib.import_module(module.name)
+    for name in ("paths", "clients", "retries", "phases", "audit", "emulator"):
+        importlib.import_module(f"vertexrt.{name}")
 
     for line in sys.stdin:
         request = json.loads(line)
