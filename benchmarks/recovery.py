@@ -14,16 +14,19 @@ Per scenario and configuration: the steps lost (last step done - step resumed fr
 restart's launch to the end of its first step, bytes read from the server during the restart, and the
 blocking of ``save()`` as a share of the step time. The fast configuration saves fast every ``--fast-every``
 and durable every ``--durable-every`` steps; the baseline saves durable only, every k' steps, with k' derived
-at run time (:func:`same_budget`, printed above the table): ceil(seconds one durable save blocks, measured
-in a durable-only run of the same state on the same storage saving every ``--calibrate-every`` steps /
-seconds the fast configuration blocks per step, measured in its own run). The table shows both blockings.
+at run time (:func:`same_budget`, each measurement printed above the table): ceil(seconds one durable save
+blocks, measured in a durable-only run of the same state on the same storage saving every
+``--calibrate-every`` steps / seconds the fast configuration blocks per step, measured in its own run); then
+checked by a durable-only run at k' itself, since a save waits for the previous one when saves come faster
+than they are written (:func:`next_every`). The table shows both blockings as measured.
 
-``--kills N`` adds the durability check: N times, SIGTERM on rank 1 and then a SIGKILL of every rank at a
-random (seeded) moment during the emergency save, with the server throttled; after each, every committed
-durable step must restore and verify on every rank, and the newest durable step must not be older than
-before the signal.
+``--kills N`` runs the durability check instead of (with ``--no-table``) or after the table: N rounds of a
+small job (``--kill-ranks`` ranks x ``--kill-mib`` MiB, forked from one interpreter), SIGTERM on rank 1 at a
+seeded random step, then a SIGKILL of every rank at a seeded random moment within ``--kill-grace`` seconds,
+the server throttled from the notice; after each, every committed durable step must restore and verify on
+every rank, and the newest durable step must not be older than before the signal (:func:`durability`).
 
-Run: PYTHONPATH=src .venv/bin/python benchmarks/recovery.py [--quick] [--kills 200]
+Run: PYTHONPATH=src .venv/bin/python benchmarks/recovery.py [--quick] [--no-table --kills 200 --seed 0]
 """
 
 from __future__ import annotations
