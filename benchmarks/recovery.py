@@ -44,7 +44,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -277,11 +277,30 @@ def same_budget(
     return Budget(fast_per_step, durable_per_save, every, max(1, math.ceil(durable_per_save / fast_per_step)))
 
 
-def next_every(measured: Budget) -> int | None:
-    """The next durable-only interval to measure, or None when ``measured`` is within the budget (its
-    interval is k'). A save's blocking grows when saves come faster than the writes finish, so k' derived
-    from a sparser run is checked by a run at k' itself."""
-    return None if measured.within else measured.interval
+def next_every(measured: Sequence[Budget]) -> int | None:
+    """The next durable-only interval to measure after ``measured``, or None when k' is found: the smallest
+    interval measured within the budget, with the next shorter one over it (or none shorter than 2).
+
+    A save's blocking grows when saves come faster than the writes finish (each waits for the previous one),
+    so the k' one run derives is measured too: the next interval is the last run's k' when it lies between
+    the longest interval over the budget and the shortest within it, else their midpoint.
+    """
+    over = max((m.every for m in measured if not m.within), default=0)
+    within = min((m.every for m in measured if m.within), default=None)
+    guess = measured[-1].interval
+    if within is None:
+        return max(guess, over + 1)
+    if within - over <= 1 or within == 1:
+        return None
+    return (
+        guess if over < guess < within and guess not in {m.every for m in measured} else (over + within) // 2
+    )
+
+
+def k_prime(measured: Sequence[Budget]) -> int:
+    """The shortest interval measured within the budget; without one, the last run's k' (unchecked)."""
+    within = [m.every for m in measured if m.within]
+    return min(within) if within else measured[-1].interval
 
 
 def per_step(rep: dict[str, Any]) -> float:
@@ -372,8 +391,8 @@ class Bench:
 
     def calibrate(self, fast_run: dict[str, Any], runs: int = 4) -> list[Budget]:
         """k' for ``fast_run`` (rank 1's report): durable-only runs of the same state on the same storage,
-        first saving every ``--calibrate-every`` steps, then at each derived k' until one is within the
-        budget (at most ``runs``); the last is k'."""
+        first saving every ``--calibrate-every`` steps, then as :func:`next_every` says (at most ``runs``);
+        :func:`k_prime` of them is k'."""
         measured: list[Budget] = []
         every: int | None = self.args.calibrate_every
         while every is not None and len(measured) < runs:
@@ -383,8 +402,7 @@ class Bench:
             measured.append(
                 same_budget(fast_run["blocked"], durable["blocked"], durable["durable_steps"], every)
             )
-            first = measured[-1] if len(measured) == 1 and measured[-1].interval != every else None
-            every = first.interval if first is not None else next_every(measured[-1])  # the first: check k'
+            every = next_every(measured)
         return measured
 
 
@@ -625,7 +643,7 @@ def table(bench: Bench, args: argparse.Namespace) -> None:
     one = bench.crash(args.fast_every, args.durable_every, wipe=[1])
     fast_per_step = per_step(one["before"][1])
     measured = bench.calibrate(one["before"][1])
-    k = measured[-1].every if measured[-1].within else measured[-1].interval
+    k = k_prime(measured)
     rows = [("one VM lost", "fast", one, fast_per_step)]
     base = bench.crash(0, k, wipe=[1])
     rows.append(("one VM lost", f"durable/{k}", base, per_step(base["before"][1])))

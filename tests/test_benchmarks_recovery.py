@@ -41,18 +41,28 @@ def test_k_prime_is_one_durable_save_over_the_fast_blocking_per_step():
     assert "= 15" in budget.derivation()
     # the baseline then blocks no more per step than the fast configuration
     assert budget.durable_per_save / budget.interval <= budget.fast_per_step
-    # measured saving every 5, k' = 15 is a guess to check by a run at 15; measured at 15, it is k'
-    assert (budget.within, recovery.next_every(budget)) == (False, 15)
-    settled = recovery.same_budget(fast, durable, [0, 5, 10], every=15)
-    assert (settled.within, recovery.next_every(settled)) == (True, None)
+    # measured saving every 5, over the budget: the next run saves every 15
+    assert (budget.within, recovery.next_every([budget])) == (False, 15)
 
 
-def test_k_prime_grows_when_saves_wait_for_the_previous_write():
+def test_k_prime_is_the_shortest_interval_measured_within_the_budget():
     recovery = _recovery()
-    fast = {str(s): 0.04 for s in range(49)}  # 40 ms a step
-    # every 4 steps the previous save is still writing: each save waits, 530 ms, over the budget
-    crowded = recovery.same_budget(fast, {"4": 0.53, "8": 0.53}, [4, 8], every=4)
-    assert (crowded.interval, recovery.next_every(crowded)) == (14, 14)
+
+    def run(every: int, per_save_ms: float) -> object:  # the fast configuration blocks 15.7 ms a step
+        fast = {str(s): 0.0157 for s in range(49)}
+        return recovery.same_budget(fast, {str(every): per_save_ms / 1e3}, [every], every=every)
+
+    measured = [run(10, 19.0)]  # within (1.9 ms a step), its k' = 2
+    assert recovery.next_every(measured) == 2
+    measured.append(run(2, 321.3))  # saves wait for the previous write: over, its k' = 21 (past 10)
+    assert recovery.next_every(measured) == 6  # between 2 (over) and 10 (within)
+    measured.append(run(6, 60.0))  # within
+    assert recovery.next_every(measured) == 4
+    measured.append(run(4, 80.0))  # over (20 ms a step)
+    assert recovery.next_every(measured) == 5
+    measured.append(run(5, 70.0))  # within (14 ms a step)
+    assert recovery.next_every(measured) is None
+    assert recovery.k_prime(measured) == 5
 
 
 def test_k_prime_needs_a_durable_save_after_step_0_and_a_fast_blocking():
