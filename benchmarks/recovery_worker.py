@@ -5,11 +5,11 @@ Usage: python recovery_worker.py RANK WORLD PORT CONFIG_JSON, or ``--fork-server
 CONFIG keys: durable, local_root, total, durable_every, fast_every (0: no fast tier), mib, step_seconds,
 die_at (rank 1 SIGKILLs itself after that step's save, -1: never), term_at (rank 1 SIGTERMs itself after
 that step, -1: never; it writes ``marker`` first, with the newest durable step), term_after (instead of
-term_at: that many steps after the step resumed from), report (a JSON
-file).
+term_at: that many steps after the step resumed from), report (a JSON file).
 The report holds the step resumed from, seconds from the launch (``launched_at``) to the end of the first
-step, the seconds ``save()`` blocked per step, the steps whose ``save()`` wrote a durable step, and after a
-preemption notice the step stopped at and when the emergency save began (``stop_began``) and ended.
+step, when the start-up phases ended (``began``: process group, manager, restore), the seconds ``save()``
+blocked per step, the steps whose ``save()`` wrote a durable step, and after a preemption notice the step
+stopped at and when the emergency save began (``stop_began``) and ended.
 """
 
 from __future__ import annotations
