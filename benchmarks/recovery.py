@@ -13,16 +13,20 @@ loopback relay that counts the bytes the server sends and can throttle both dire
 Per scenario and configuration: the steps lost (last step done - step resumed from), seconds from the
 restart's launch to the end of its first step, bytes read from the server during the restart, and the
 blocking of ``save()`` as a share of the step time. The fast configuration saves fast every ``--fast-every``
-and durable every ``--durable-every`` steps; the baseline saves durable only, every k' steps: k' is the
-blocking of one durable save (a durable-only calibration run saving every ``--fast-every`` steps) over the
-fast configuration's blocking per step. The table shows both blockings as measured.
+and durable every ``--durable-every`` steps; the baseline saves durable only, every k' steps, with k' derived
+at run time (:func:`same_budget`, each measurement printed above the table): ceil(seconds one durable save
+blocks, measured in a durable-only run of the same state on the same storage saving every
+``--calibrate-every`` steps / seconds the fast configuration blocks per step, measured in its own run); then
+checked by a durable-only run at k' itself, since a save waits for the previous one when saves come faster
+than they are written (:func:`next_every`). The table shows both blockings as measured.
 
-``--kills N`` adds the durability check: N times, SIGTERM on rank 1 and then a SIGKILL of every rank at a
-random (seeded) moment during the emergency save, with the server throttled; after each, every committed
-durable step must restore and verify on every rank, and the newest durable step must not be older than
-before the signal.
+``--kills N`` runs the durability check instead of (with ``--no-table``) or after the table: N rounds of a
+small job (``--kill-ranks`` ranks x ``--kill-mib`` MiB, forked from one interpreter), SIGTERM on rank 1 at a
+seeded random step, then a SIGKILL of every rank at a seeded random moment within ``--kill-grace`` seconds,
+the server throttled from the notice; after each, every committed durable step must restore and verify on
+every rank, and the newest durable step must not be older than before the signal (:func:`durability`).
 
-Run: PYTHONPATH=src .venv/bin/python benchmarks/recovery.py [--quick] [--kills 200]
+Run: PYTHONPATH=src .venv/bin/python benchmarks/recovery.py [--quick] [--no-table --kills 200 --seed 0]
 """
 
 from __future__ import annotations
@@ -33,12 +37,15 @@ import math
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -107,14 +114,86 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(cfg: dict[str, Any], env: dict[str, str], *, wait: bool = True) -> list[subprocess.Popen[bytes]]:
-    """The three ranks of one launch (``cfg`` as ``recovery_worker.py`` takes it)."""
+class ForkServer:
+    """``recovery_worker.py --fork-server``: forks ranks (and the check) from one interpreter that imported
+    torch and vertexrt once; :meth:`fork` gives a ``Popen``-like handle."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        worker = os.path.join(HERE, "recovery_worker.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, worker, "--fork-server"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
+        )
+
+    def ask(self, request: dict[str, Any]) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def fork(self, request: dict[str, Any]) -> Forked:
+        return Forked(self, int(self.ask(request)))
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+class Forked:
+    """A process the fork server forked: ``poll``, ``wait`` and ``kill`` as ``subprocess.Popen`` has them."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server, self.pid = server, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.ask({"poll": self.pid})
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None and self.returncode is None:
+            self.returncode = self.server.ask({"wait": self.pid})
+        deadline = time.monotonic() + (timeout or 0)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def launch(
+    cfg: dict[str, Any], env: dict[str, str], *, wait: bool = True, server: ForkServer | None = None
+) -> list[Any]:
+    """The ranks of one launch (``cfg`` as ``recovery_worker.py`` takes it; ``world`` ranks, default 3):
+    fresh processes, or forks of ``server``."""
     cfg = dict(cfg, launched_at=time.time())
-    port = _free_port()
+    port, world = _free_port(), cfg.get("world", WORLD)
+    if server is not None:
+        procs: list[Any] = [
+            server.fork(
+                {
+                    "rank": r,
+                    "world": world,
+                    "port": port,
+                    "cfg": cfg,
+                    "log": cfg["report"].format(rank=r) + ".log",
+                }
+            )
+            for r in range(world)
+        ]
+        if wait:
+            finish(procs, cfg)
+        return procs
     procs = []
-    for r in range(WORLD):
+    for r in range(world):
         with open(cfg["report"].format(rank=r) + ".log", "w") as log:
-            worker = [sys.executable, os.path.join(HERE, "recovery_worker.py"), str(r), str(WORLD), str(port)]
+            worker = [sys.executable, os.path.join(HERE, "recovery_worker.py"), str(r), str(world), str(port)]
             procs.append(
                 subprocess.Popen([*worker, json.dumps(cfg)], stdout=subprocess.DEVNULL, stderr=log, env=env)
             )
@@ -123,7 +202,7 @@ def launch(cfg: dict[str, Any], env: dict[str, str], *, wait: bool = True) -> li
     return procs
 
 
-def finish(procs: list[subprocess.Popen[bytes]], cfg: dict[str, Any], timeout: float = 600) -> None:
+def finish(procs: list[Any], cfg: dict[str, Any], timeout: float = 600) -> None:
     victim = procs[1]
     if cfg.get("die_at", -1) >= 0:
         victim.wait(timeout=timeout)
@@ -140,12 +219,88 @@ def finish(procs: list[subprocess.Popen[bytes]], cfg: dict[str, Any], timeout: f
 def reports(cfg: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """The reports the ranks wrote (a rank killed from outside writes none)."""
     out = {}
-    for r in range(WORLD):
+    for r in range(cfg.get("world", WORLD)):
         path = cfg["report"].format(rank=r)
         if os.path.exists(path):
             with open(path) as f:
                 out[r] = json.load(f)
     return out
+
+
+@dataclass(frozen=True)
+class Budget:
+    """One durable-only run's blocking against the fast configuration's blocking budget."""
+
+    fast_per_step: float  # seconds save() blocked per step, fast configuration (its durable saves included)
+    durable_per_save: float  # seconds one durable save blocked, durable only, same state and storage
+    every: int  # that durable-only run saved every ``every`` steps
+    interval: int  # ceil(durable_per_save / fast_per_step): k' as this run measures it
+
+    @property
+    def within(self) -> bool:
+        """Saving every ``every`` steps, this run blocked no more per step than the fast configuration."""
+        return self.interval <= self.every
+
+    def derivation(self) -> str:
+        return (
+            f"ceil({self.durable_per_save * 1e3:.1f} ms blocked per durable save (durable only, every "
+            f"{self.every}) / {self.fast_per_step * 1e3:.2f} ms blocked per step (fast configuration)) = "
+            f"{self.interval}"
+        )
+
+
+def same_budget(
+    fast_blocked: Mapping[Any, float],
+    durable_blocked: Mapping[Any, float],
+    durable_steps: Iterable[int],
+    every: int,
+) -> Budget:
+    """k' from the seconds ``save()`` blocked per step in a fast run (``fast_blocked``: step -> seconds)
+    and in a durable-only run saving every ``every`` steps (``durable_blocked``, its saves at
+    ``durable_steps``); step 0, which sets up the staging, is left out of both. Only the steps that saved
+    count towards a durable save's cost (which includes waiting for the previous save still writing).
+
+    Raises:
+        ValueError: no durable save after step 0, or the fast run never blocked.
+    """
+    fast = [seconds for step, seconds in fast_blocked.items() if int(step) > 0]
+    saved = {int(step) for step in durable_steps if int(step) > 0}
+    saves = [seconds for step, seconds in durable_blocked.items() if int(step) in saved]
+    if not saves:
+        raise ValueError(
+            f"no durable save after step 0 among steps {sorted(durable_steps)}: nothing to measure"
+        )
+    fast_per_step = sum(fast) / len(fast) if fast else 0.0
+    if fast_per_step <= 0:
+        raise ValueError("the fast run's save() never blocked: no budget to match")
+    durable_per_save = sum(saves) / len(saves)
+    return Budget(fast_per_step, durable_per_save, every, max(1, math.ceil(durable_per_save / fast_per_step)))
+
+
+def next_every(measured: Sequence[Budget]) -> int | None:
+    """The next durable-only interval to measure after ``measured``, or None when k' is found: the smallest
+    interval measured within the budget, with the next shorter one over it (or none shorter than 2).
+
+    A save's blocking grows when saves come faster than the writes finish (each waits for the previous one),
+    so the k' one run derives is measured too: the next interval is the last run's k' when it lies between
+    the longest interval over the budget and the shortest within it, else their midpoint.
+    """
+    over = max((m.every for m in measured if not m.within), default=0)
+    within = min((m.every for m in measured if m.within), default=None)
+    guess = measured[-1].interval
+    if within is None:
+        return max(guess, over + 1)
+    if within - over <= 1 or within == 1:
+        return None
+    return (
+        guess if over < guess < within and guess not in {m.every for m in measured} else (over + within) // 2
+    )
+
+
+def k_prime(measured: Sequence[Budget]) -> int:
+    """The shortest interval measured within the budget; without one, the last run's k' (unchecked)."""
+    within = [m.every for m in measured if m.within]
+    return min(within) if within else measured[-1].interval
 
 
 def per_step(rep: dict[str, Any]) -> float:
@@ -234,17 +389,30 @@ class Bench:
         result["emergency_s"] = max(r["stop_s"] for r in done) - signalled if len(done) == WORLD else None
         return result
 
-    def calibrate(self) -> float:
-        """Seconds a durable save blocks ``save()`` (durable only, a save every ``--fast-every`` steps)."""
-        cfg = self.config(0, self.args.fast_every, total=self.args.die_at)
-        launch(cfg, self.env)
-        return per_step(reports(cfg)[1]) * self.args.fast_every
+    def calibrate(self, fast_run: dict[str, Any], runs: int = 4) -> list[Budget]:
+        """k' for ``fast_run`` (rank 1's report): durable-only runs of the same state on the same storage,
+        first saving every ``--calibrate-every`` steps, then as :func:`next_every` says (at most ``runs``);
+        :func:`k_prime` of them is k'."""
+        measured: list[Budget] = []
+        every: int | None = self.args.calibrate_every
+        while every is not None and len(measured) < runs:
+            cfg = self.config(0, every, total=self.args.die_at)
+            launch(cfg, self.env)
+            durable = reports(cfg)[1]
+            measured.append(
+                same_budget(fast_run["blocked"], durable["blocked"], durable["durable_steps"], every)
+            )
+            every = next_every(measured)
+        return measured
 
 
-def wait_marker(cfg: dict[str, Any], procs: list[subprocess.Popen[bytes]]) -> float:
+def wait_marker(cfg: dict[str, Any], procs: list[Any]) -> float:
     """Wait for rank 1's SIGTERM marker; returns when it signalled."""
     while not os.path.exists(cfg["marker"]):
         if any(p.poll() is not None for p in procs):
+            for p in procs:  # the others would wait for it in a collective
+                if p.poll() is None:
+                    p.kill()
             finish(procs, cfg)
             raise RuntimeError("a rank ended before the signal")
         time.sleep(0.01)
@@ -252,61 +420,153 @@ def wait_marker(cfg: dict[str, Any], procs: list[subprocess.Popen[bytes]]) -> fl
         return float(json.load(f)["at"])
 
 
-def durability(bench: Bench, kills: int) -> dict[str, int]:
-    """N SIGTERM-then-SIGKILL rounds on one run; returns the counts checked (raises on a violation)."""
+#: Where a hard kill landed, from the ranks' reports and the stopped step's files on the server.
+KILL_MOMENTS = (
+    "before the save",
+    "during the write",
+    "during the commit",
+    "after the commit",
+    "save declined",
+)
+
+
+def durability(bench: Bench, kills: int, *, ranks: int = 2, chain: int = 4) -> dict[str, Any]:
+    """``kills`` rounds of SIGTERM at a random step, then SIGKILL of every rank at a random moment within
+    the grace, the server throttled from the notice on. Rounds run in chains of ``chain`` launches on one
+    durable directory (each launch resumes where the killed one left off, a new chain starts empty); round
+    ``i`` draws from ``Random(f"{seed}:{i}")``, so ``--only i`` replays its chain alone.
+
+    After each kill, every durable step the listing shows restores with its checksums on every rank's shard
+    (the library's own restore: 0 partially visible steps) and the newest durable step is not older than
+    the newest before the signal. Returns the counts; a round that breaks either is listed in ``failures``.
+    """
     args, relay = bench.args, bench.relay
-    rng = random.Random(args.seed)
-    cfg = bench.config(args.fast_every, args.fast_every, total=10**6)
-    checked = {"kills": 0, "steps_verified": 0, "durable_advanced": 0}
-    step = 0
-    for _ in range(kills):
-        step += args.fast_every + 1
-        cfg = dict(cfg, term_at=step, total=step + 2)
-        if os.path.exists(cfg["marker"]):
-            os.remove(cfg["marker"])
-        relay.rate = args.throttle_mbs * 1e6
-        procs = launch(cfg, bench.env, wait=False)
-        try:
-            wait_marker(cfg, procs)
-            with open(cfg["marker"]) as f:
-                before = json.load(f)["durable"]
-            time.sleep(rng.uniform(0, args.kill_window))
-        finally:
-            for p in procs:
-                p.kill()
-            for p in procs:
-                p.wait()
-            relay.rate = None
-        steps = verify_durable(cfg["durable"], bench.env)
-        newest = max(steps, default=None)
-        if before is not None and (newest is None or newest < before):
-            raise AssertionError(f"kill {checked['kills']}: newest durable step {newest} < {before}")
-        checked["kills"] += 1
-        checked["steps_verified"] += len(steps)
-        checked["durable_advanced"] += int(newest != before)
-        step = max(step, (newest or 0) + 1)  # the next round's signal comes after the resumed step
-    return checked
+    window = min(args.kill_window or args.grace, args.grace)
+    out: dict[str, Any] = {
+        "kills": 0, "steps_verified": 0, "partial": 0, "regressions": 0, "durable_advanced": 0,
+        "moments": dict.fromkeys(KILL_MOMENTS, 0), "failures": [],
+    }  # fmt: skip
+    only = getattr(args, "only", None)
+    rounds = range(only - only % chain, only + 1) if only is not None else range(kills)
+    cfg: dict[str, Any] = {}
+    listed: dict[str, list[str]] = {}
+    server = ForkServer(bench.env)
+    try:
+        for i in rounds:
+            rng = random.Random(f"{args.seed}:{i}")
+            if i % chain == 0:
+                cfg = bench.config(args.fast_every, args.durable_every, total=10**6, world=ranks)
+                listed = {}
+            cfg = dict(cfg, term_after=rng.randint(1, 3 * args.durable_every), term_at=-1)
+            cfg["report"] = os.path.join(os.path.dirname(cfg["marker"]), f"kill{i}.rank{{rank}}.json")
+            if os.path.exists(cfg["marker"]):
+                os.remove(cfg["marker"])
+            procs = launch(cfg, bench.env, wait=False, server=server)
+            try:
+                signalled = wait_marker(cfg, procs)
+            except RuntimeError as exc:  # a rank failed before the signal (e.g. its resume): a bug to report
+                out["failures"].append(f"seed {args.seed} round {i}: {exc}")
+                print(f"  round {i}: {exc}", flush=True)
+                continue
+            try:
+                relay.rate = args.throttle_mbs * 1e6  # the bandwidth drops with the notice
+                with open(cfg["marker"]) as f:
+                    before = json.load(f)["durable"]
+                killed = signalled + rng.uniform(0, window)
+                time.sleep(max(0.0, killed - time.time()))
+            finally:
+                for p in procs:
+                    p.kill()
+                for p in procs:
+                    p.wait()
+                relay.rate = None
+            problem, steps, files = verify_durable(cfg["durable"], bench.env, ranks, server)
+            moment = kill_moment(reports(cfg), files, listed, ranks)
+            listed = files
+            newest = max(steps, default=None)
+            if problem:
+                out["partial"] += 1
+            elif before is not None and (newest is None or newest < before):
+                out["regressions"] += 1
+                problem = f"newest durable step {newest} < {before}, the newest before the signal"
+            if problem:
+                out["failures"].append(f"seed {args.seed} round {i}: {problem}")
+                print(f"  round {i}: {problem}", flush=True)
+            out["kills"] += 1
+            out["steps_verified"] += len(steps)
+            out["durable_advanced"] += int(newest != before)
+            out["moments"][moment] += 1
+            if (i + 1) % 10 == 0:
+                print(f"  {i + 1} kills: {out['moments']}", flush=True)
+    finally:
+        server.close()
+    return out
 
 
-def verify_durable(durable: str, env: dict[str, str]) -> list[int]:
-    """Every committed durable step restores and verifies on every rank's shard; returns the steps."""
+def kill_moment(
+    reps: dict[int, dict[str, Any]], files: dict[str, list[str]], before: dict[str, list[str]], ranks: int
+) -> str:
+    """Where the kill landed: no rank had begun its emergency save; a rank declined it (it would not fit
+    in the grace); or, by the files this launch added to the stopped step, during the write of the data
+    files and bodies, during the commit (every rank's body written, no manifest yet), or after it."""
+    stopped = [r for r in reps.values() if "stopped" in r]
+    if not stopped:
+        return "before the save"
+    if any(r.get("durable_saved") is False for r in stopped):
+        return "save declined"
+    step = f"step_{stopped[0]['stopped']:010d}"
+    added = set(files.get(step, [])) - set(before.get(step, []))
+    if "manifest.json" in files.get(step, []):
+        return "after the commit"
+    tokens: dict[str, int] = {}
+    for name in added:
+        if name.endswith(".body.json"):
+            token = name.split(".")[1]
+            tokens[token] = tokens.get(token, 0) + 1
+    return "during the commit" if any(n == ranks for n in tokens.values()) else "during the write"
+
+
+def verify_durable(
+    durable: str, env: dict[str, str], world: int = WORLD, server: ForkServer | None = None
+) -> tuple[str, list[int], dict]:
+    """Restore every committed durable step on every rank's shard, in a fresh process (the library's own
+    restore, which checks every file's size and CRC32C against the manifest); returns what went wrong
+    (empty: nothing), the committed steps, and the files of every step directory."""
     code = (
         "import json,sys\n"
+        "from vertexrt import paths\n"
         "from vertexrt.checkpoint import CheckpointManager\n"
         "d, w = sys.argv[1], int(sys.argv[2])\n"
         "mgr = CheckpointManager(d, rank=w - 1, world_size=w)  # rank 0 would clean leftovers up\n"
-        "steps = mgr.all_steps()\n"
+        "steps, problem = mgr.all_steps(), ''\n"
         "for s in steps:\n"
         "    for r in range(w):\n"
-        "        mgr.restore(step=s, shard=r)\n"
-        "print(json.dumps(steps))\n"
+        "        try:\n"
+        "            mgr.restore(step=s, shard=r)\n"
+        "        except Exception as exc:\n"
+        "            problem = problem or f'step {s} shard {r}: {type(exc).__name__}: {exc}'\n"
+        "fs, root = paths.filesystem(d)\n"
+        "name = lambda path: path.rstrip('/').rsplit('/', 1)[-1]\n"
+        "found = fs.ls(root, detail=False, refresh=True) if fs.exists(root) else []\n"
+        "files = {name(e): sorted(map(name, fs.ls(e, detail=False))) for e in found if fs.isdir(e)}\n"
+        "print(json.dumps([problem, steps, files]))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, durable, str(WORLD)], env=env, capture_output=True, text=True
-    )
-    if out.returncode != 0:
-        raise AssertionError(f"a committed durable step does not restore:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    if server is None:
+        run = subprocess.run(
+            [sys.executable, "-c", code, durable, str(world)], env=env, capture_output=True, text=True
+        )
+        returncode, stdout, stderr = run.returncode, run.stdout, run.stderr
+    else:
+        scratch = tempfile.mkdtemp(prefix="verify-")
+        out, log = os.path.join(scratch, "out"), os.path.join(scratch, "log")
+        returncode = server.fork({"code": code, "args": [durable, str(world)], "out": out, "log": log}).wait()
+        with open(out) as f, open(log) as g:
+            stdout, stderr = f.read(), g.read()
+        shutil.rmtree(scratch)
+    if returncode != 0:
+        return f"the check failed:\n{stderr[-3000:]}", [], {}
+    problem, steps, files = json.loads(stdout.strip().splitlines()[-1])
+    return problem, steps, files
 
 
 def main() -> None:
@@ -317,10 +577,15 @@ def main() -> None:
     parser.add_argument("--fast-every", type=int, default=5)
     parser.add_argument("--durable-every", type=int, default=40)
     parser.add_argument("--die-at", type=int, default=48)
+    parser.add_argument("--calibrate-every", type=int, default=10, help="durable saves timed for k'")
     parser.add_argument("--grace", type=float, default=30.0)
     parser.add_argument("--throttle-mbs", type=float, default=1.0, help="server MB/s while throttled")
-    parser.add_argument("--kills", type=int, default=0)
-    parser.add_argument("--kill-window", type=float, default=3.0, help="seconds after the signal")
+    parser.add_argument("--kills", type=int, default=0, help="rounds of the durability check")
+    parser.add_argument("--kill-ranks", type=int, default=2, help="ranks per launch in the durability check")
+    parser.add_argument("--kill-mib", type=int, default=1, help="state per rank in the durability check")
+    parser.add_argument("--kill-grace", type=float, default=4.0, help="grace (s) in the durability check")
+    parser.add_argument("--kill-window", type=float, default=None, help="kill within (s; default: the grace)")
+    parser.add_argument("--only", type=int, default=None, help="replay this round (and its chain) alone")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-table", action="store_true", help="only the durability check")
     args = parser.parse_args()
@@ -336,18 +601,49 @@ def main() -> None:
         bench = Bench(args, root, relay)
         if not args.no_table:
             table(bench, args)
-        if args.kills:
-            print(f"durability: {durability(bench, args.kills)} (0 partially visible steps)")
+        if args.kills or args.only is not None:
+            kills(args, root, relay)
     finally:
         relay.close()
         server.stop()
         shutil.rmtree(root, ignore_errors=True)
 
 
+def kills(args: argparse.Namespace, root: str, relay: ThrottledRelay) -> None:
+    """The durability check with its own small job: ``--kill-ranks`` ranks (the commit gathers every rank's
+    shard), ``--kill-mib`` MiB per rank (at ``--throttle-mbs`` the emergency save takes a good part of the
+    ``--kill-grace``, so the kills land before, during and after it), 20 ms steps, fast every 2, durable
+    every 4; then the summary."""
+    if args.kill_ranks < 2:
+        raise SystemExit("--kill-ranks: at least 2 (rank 1 takes the signal; rank 0 commits)")
+    small = argparse.Namespace(
+        **dict(
+            vars(args), mib=args.kill_mib, grace=args.kill_grace, step_ms=20.0, fast_every=2, durable_every=4
+        )
+    )
+    began = time.monotonic()
+    out = durability(Bench(small, os.path.join(root, "kills"), relay), args.kills, ranks=args.kill_ranks)
+    print(
+        f"durability: {out['kills']} hard kills (seed {args.seed}), {args.kill_ranks} ranks x "
+        f"{args.kill_mib} MiB, SIGTERM at a random step, SIGKILL of every rank within "
+        f"{min(small.kill_window or small.grace, small.grace):.1f} s of it, grace {small.grace:.0f} s, "
+        f"server at {args.throttle_mbs} MB/s from the notice; {time.monotonic() - began:.0f} s"
+    )
+    print("kill moments: " + ", ".join(f"{k} {v}" for k, v in out["moments"].items()))
+    print(
+        f"partially visible steps {out['partial']}, durable step regressions {out['regressions']}, "
+        f"steps verified {out['steps_verified']}, kills after which the durable step advanced "
+        f"{out['durable_advanced']}, failures {len(out['failures'])}"
+    )
+    for failure in out["failures"]:
+        print("  " + failure)
+
+
 def table(bench: Bench, args: argparse.Namespace) -> None:
     one = bench.crash(args.fast_every, args.durable_every, wipe=[1])
     fast_per_step = per_step(one["before"][1])
-    k = max(1, math.ceil(bench.calibrate() / max(fast_per_step, 1e-9)))
+    measured = bench.calibrate(one["before"][1])
+    k = k_prime(measured)
     rows = [("one VM lost", "fast", one, fast_per_step)]
     base = bench.crash(0, k, wipe=[1])
     rows.append(("one VM lost", f"durable/{k}", base, per_step(base["before"][1])))
@@ -365,6 +661,10 @@ def table(bench: Bench, args: argparse.Namespace) -> None:
         f"{args.fast_every} + durable every {args.durable_every} vs durable-only every {k} (same blocking); "
         f"failure after step {args.die_at}; SIGTERM rows: server at {args.throttle_mbs} MB/s"
     )
+    for budget in measured:
+        verdict = "within the budget" if budget.within else "over the budget"
+        print(f"same blocking budget: {budget.derivation()}; saving every {budget.every}: {verdict}")
+    print(f"k' = {k}")
     head = ("scenario", "tiers", "lost", "resumed", "first step s", "GCS MB read", "blocked/step", "note")
     print("{:<22}{:<13}{:>6}{:>9}{:>14}{:>13}{:>14}  {}".format(*head))
     for name, tiers, r, blocked in rows:
