@@ -16,6 +16,9 @@ from typing import Any
 from vertexrt.checkpoint import manifest as manifest_format
 from vertexrt.errors import CheckpointCorruptError
 
+#: The manifest key that marks a step written through DCP (and holds its metadata).
+KEY = "dcp"
+
 
 def encode_metadata(metadata: Any) -> dict[str, Any]:
     """DCP's ``Metadata`` as JSON values."""
