@@ -108,7 +108,7 @@ def test_tampered_dcp_metadata_falls_back_on_every_rank(
 def test_chunks_that_overlap_are_damage_even_when_their_volumes_add_up(second_row: int, valid: bool) -> None:
     """An 8x4 tensor in two 4x4 chunks: rows 0..3 and 4..7 tile it; rows 0..3 and 2..5 overlap (and leave
     rows 6..7 unset) although 16 + 16 elements are 8 x 4."""
-    from vertexrt.checkpoint.dcp import decode_metadata
+    from vertexrt.checkpoint.dcp_metadata import decode_metadata
     from vertexrt.errors import CheckpointCorruptError
 
     leaves = [{"t": "bytes", "chunks": [[0, 64 * i, 64, 0]]} for i in range(2)]

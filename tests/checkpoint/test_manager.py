@@ -212,7 +212,7 @@ def test_empty_directory_restores_none(storage_root):
 def test_uncommitted_leftovers_are_ignored_then_cleaned(storage_root, dead_pid):
     with CheckpointManager(storage_root, async_save=False) as mgr:
         mgr.save(1, make_state(1))
-    from vertexrt.checkpoint.storage import new_token
+    from vertexrt.checkpoint.tokens import new_token
 
     token = new_token().rsplit("-", 2)[0] + f"-{dead_pid}-deadbeef"
     if paths.is_gcs(storage_root):
@@ -298,7 +298,8 @@ def test_fuse_path_writes_in_place_with_manifest_last(tmp_path, monkeypatch):
     monkeypatch.setenv("VERTEXRT_FUSE_ROOT", str(tmp_path / "mnt"))
     (tmp_path / "mnt" / "bucket").mkdir(parents=True)
     with CheckpointManager("/gcs/bucket/run/ckpt", async_save=False) as mgr:
-        from vertexrt.checkpoint.storage import MarkerStrategy, OsStore
+        from vertexrt.checkpoint.storage import MarkerStrategy
+        from vertexrt.checkpoint.stores import OsStore
 
         # a mount: files written in place through the OS, committed by the manifest (no directory rename)
         assert isinstance(mgr._strategy, MarkerStrategy) and isinstance(mgr._strategy.store, OsStore)
@@ -390,9 +391,9 @@ def test_leftover_of_an_earlier_process_with_the_same_pid_is_cleaned(tmp_path) -
     import os
 
     from vertexrt.checkpoint import CheckpointManager
-    from vertexrt.checkpoint.storage import _host
+    from vertexrt.checkpoint.tokens import host_name
 
-    stale = tmp_path / f".tmp.step_0000000005.{_host()}-{os.getpid()}-deadbeef"
+    stale = tmp_path / f".tmp.step_0000000005.{host_name()}-{os.getpid()}-deadbeef"
     stale.mkdir()
     (stale / "data.bin").write_bytes(b"partial")
     with CheckpointManager(str(tmp_path)):

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from vertexrt.checkpoint import CheckpointManager, datafiles, staging
-from vertexrt.checkpoint.storage import MANIFEST, OsStore, step_name
+from vertexrt.checkpoint.storage import MANIFEST, step_name
+from vertexrt.checkpoint.stores import OsStore
 from vertexrt.errors import CheckpointError, ConfigError
 
 DTYPES = [

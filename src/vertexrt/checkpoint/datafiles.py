@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from vertexrt.checkpoint.storage import Store
+from vertexrt.checkpoint.stores import Store
 from vertexrt.errors import CheckpointCorruptError
 
 

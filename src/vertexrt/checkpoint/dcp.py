@@ -3,10 +3,12 @@
 DCP plans who writes which shard and how a shard maps onto a different mesh; vertexrt stores the bytes:
 every rank writes its items into part files of the step (CRC32C per chunk, parallel uploads, the strategy's
 part size), and rank 0, once every rank's files are written, commits the step with a manifest that holds
-DCP's metadata as JSON (no pickle is read back from storage). Retention, fallback to an earlier step and the
-step's atomic commit are the :class:`~vertexrt.checkpoint.CheckpointManager`'s, which routes here when the
-state holds DTensors (or the step was written here) and which this module sees as a
-:class:`~vertexrt.checkpoint.step_writer.Site`; the write is the step writer's (shards, gather, commit).
+DCP's metadata as JSON (:mod:`~vertexrt.checkpoint.dcp_metadata`: no pickle is read back from storage).
+Retention, fallback to an earlier step and the step's atomic commit are the
+:class:`~vertexrt.checkpoint.CheckpointManager`'s, which routes here when the state holds DTensors (or the
+step was written here) and which this module sees as a :class:`~vertexrt.checkpoint.step_writer.Site`;
+the write is the step writer's (shards, gather, commit), through DCP's storage plugin
+(:mod:`~vertexrt.checkpoint.dcp_storage`).
 
 Restoring onto another world size or mesh (2 ranks -> 3, 2 -> 1) is DCP's resharding: modules and
 optimizers in the target are loaded through ``get_state_dict`` / ``set_state_dict``.
@@ -20,25 +22,20 @@ Example:
 
 from __future__ import annotations
 
-import io
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from vertexrt import audit
-from vertexrt.checkpoint import datafiles, restoring, step_writer, storage
-from vertexrt.checkpoint import manifest as manifest_format
+from vertexrt.checkpoint import restoring, step_writer
+from vertexrt.checkpoint.dcp_metadata import KEY, decode_metadata
+from vertexrt.checkpoint.dcp_storage import manifest_name, reader_class, safe_planner, writer_class
 from vertexrt.checkpoint.step_writer import Site
 from vertexrt.distributed import collectives
 from vertexrt.errors import CheckpointCorruptError, CheckpointError
 
 log = logging.getLogger(__name__)
-
-#: The manifest key that marks a step written through DCP (and holds its metadata).
-KEY = "dcp"
-
 
 # -- routing ---------------------------------------------------------------------------------------------
 
@@ -150,7 +147,7 @@ def save(site: Site, step: int, state: Any, metrics: dict[str, float], overwrite
     state_dict, _ = _to_state_dict(state, "state")
     audit.event("save", step=step, asynchronous=False)
     write_dir = strategy.begin(step, token)
-    writer = _writer_class()(site, step, write_dir, token, metrics, overwrite)
+    writer = writer_class()(site, step, write_dir, token, metrics, overwrite)
     try:
         tdcp.save(state_dict, storage_writer=writer)
     except BaseException as exc:
@@ -169,113 +166,6 @@ def save(site: Site, step: int, state: Any, metrics: dict[str, float], overwrite
         site.committed(step, token, writer.manifest, writer.replaced)
     log.info("sharded checkpoint step %d committed in %s", step, site.directory)
     audit.event("commit", step=step)
-
-
-def _tensor_bytes(tensor: Any) -> Any:
-    """The bytes of a tensor (any device, view or not, lazily conjugated or not) as a 1-D uint8 array."""
-    flat = tensor.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
-    return flat.view(__import__("torch").uint8).numpy()
-
-
-def _writer_class() -> type:
-    """DCP's ``StorageWriter`` over one step of a vertexrt strategy (defined when torch is imported)."""
-    from torch.distributed.checkpoint import StorageWriter
-    from torch.distributed.checkpoint.planner import WriteItemType
-    from torch.distributed.checkpoint.storage import WriteResult
-    from torch.futures import Future
-
-    class Writer(StorageWriter):
-        def __init__(
-            self,
-            site: Site,
-            step: int,
-            write_dir: str,
-            token: str,
-            metrics: dict[str, float],
-            overwrite: bool,
-        ) -> None:
-            self.site, self.step, self.write_dir, self.token = site, step, write_dir, token
-            self.metrics, self.overwrite = metrics, overwrite
-            self.replaced: bytes | None = None
-            self.manifest: dict[str, Any] = {}
-            self.bodies: list[dict[str, Any]] | None = None  # rank 0: every rank's body, gathered
-            self.rank = 0
-
-        def reset(self, checkpoint_id: Any = None) -> None:
-            pass
-
-        def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-            self.rank = self.site.rank
-
-        def prepare_local_plan(self, plan: Any) -> Any:
-            return plan
-
-        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-            return plans
-
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            buffers: list[Any] = []
-            nodes: list[dict[str, Any]] = []
-            described: list[dict[str, Any]] = []
-            for item in plan.items:
-                data = planner.resolve_data(item)
-                if item.type == WriteItemType.BYTE_IO:
-                    buffers.append(__import__("numpy").frombuffer(data.getvalue(), dtype="uint8"))
-                    described.append({"t": "bytes"})
-                else:
-                    buffers.append(_tensor_bytes(data))
-                    described.append(
-                        {
-                            "t": "tensor",
-                            "dtype": str(data.dtype).removeprefix("torch."),
-                            "shape": list(data.shape),
-                        }
-                    )
-                offset = item.index.offset
-                nodes.append({"t": "bytes", "of": [item.index.fqn, None if offset is None else list(offset)]})
-            body, error = None, None
-            try:
-                tree = {"t": "list", "v": nodes}
-                body = step_writer.write_shard(
-                    self.site, self.write_dir, self.token, self.rank, nodes, buffers, tree
-                )
-            except Exception as exc:  # still in the gather below: every rank reaches it
-                error = exc
-            self.bodies = step_writer.gather_shards(self.site, body, error, dist=collectives.torch_dist())
-            if error is not None:
-                raise error
-            results = [
-                WriteResult(
-                    index=item.index,
-                    size_in_bytes=len(buf),
-                    storage_data={"shard": self.rank, "leaf": i, **d},
-                )
-                for i, (item, buf, d) in enumerate(zip(plan.items, buffers, described, strict=True))
-            ]
-            future: Future[list[WriteResult]] = Future()
-            future.set_result(results)
-            return future
-
-        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
-            assert self.bodies is not None  # the coordinator is rank 0, which gathered every body
-            metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-            self.manifest, self.replaced = step_writer.commit(
-                self.site,
-                self.step,
-                self.write_dir,
-                self.token,
-                bodies=self.bodies,
-                sharded=True,
-                metrics=self.metrics,
-                overwrite=self.overwrite,
-                extra={KEY: encode_metadata(metadata)},
-            )
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-            return False
-
-    return Writer
 
 
 # -- restoring -------------------------------------------------------------------------------------------
@@ -339,15 +229,15 @@ def _load_step(site: Site, step: int, target: Any, dist: Any) -> Any:
     manifest = collectives.broadcast(manifest if problem is None else None, dist)  # None: rank 0 failed
     if manifest is not None:
         try:
-            metadata = decode_metadata(manifest[KEY], manifest, name=_manifest_name(site, step))
+            metadata = decode_metadata(manifest[KEY], manifest, name=manifest_name(site, step))
         except Exception as exc:
             problem = exc
     agree(problem, dist, f"reading checkpoint step {step} in {site.directory}")
     assert manifest is not None
     state_dict, pairs = _to_state_dict(target, "target")
-    reader = _reader_class()(site, step, manifest, metadata)
+    reader = reader_class()(site, step, manifest, metadata)
     try:
-        tdcp.load(state_dict, storage_reader=reader, planner=_safe_planner())
+        tdcp.load(state_dict, storage_reader=reader, planner=safe_planner())
     except CheckpointException as exc:
         errors = [_unwrap_one(e) for e in exc.failures.values()]
         if errors and all(isinstance(e, CheckpointCorruptError) for e in errors):
@@ -389,283 +279,6 @@ def agree(error: BaseException | None, dist: Any, what: str) -> None:
             raise error
         raise CheckpointCorruptError(message)
     raise CheckpointError(message) from error
-
-
-def _manifest_name(site: Site, step: int) -> str:
-    return str(site.strategy.store.join(site.strategy.step_dir(step), storage.MANIFEST))
-
-
-def _safe_planner() -> Any:
-    """DCP's default load planner, but non-tensor values are unpickled with ``weights_only=True``."""
-    import torch
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
-
-    class SafeLoadPlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    return SafeLoadPlanner()
-
-
-def _reader_class() -> type:
-    """DCP's ``StorageReader`` over one verified step (defined when torch is imported)."""
-    import torch
-    from torch.distributed.checkpoint import StorageReader
-    from torch.distributed.checkpoint.planner import LoadItemType
-    from torch.futures import Future
-
-    class Reader(StorageReader):
-        def __init__(self, site: Site, step: int, manifest: dict[str, Any], metadata: Any) -> None:
-            self.site, self.step, self.manifest, self.metadata = site, step, manifest, metadata
-
-        def reset(self, checkpoint_id: Any = None) -> None:
-            pass
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return self.metadata
-
-        def set_up_storage_reader(
-            self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
-        ) -> None:
-            pass
-
-        def prepare_local_plan(self, plan: Any) -> Any:
-            return plan
-
-        def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-            return plans
-
-        def read_data(self, plan: Any, planner: Any) -> Any:
-            strategy = self.site.strategy
-            name = _manifest_name(self.site, self.step)
-            bodies = {b["shard"]: b for b in self.manifest["shards"]}
-            wanted: dict[int, dict[int, Any]] = {}
-            for req in plan.items:
-                where = self.metadata.storage_data.get(req.storage_index)
-                if where is None:
-                    raise CheckpointCorruptError(
-                        f"manifest {name} does not locate {req.storage_index.fqn}", file=name
-                    )
-                wanted.setdefault(where["shard"], {})[where["leaf"]] = None
-            buffers: dict[tuple[int, int], Any] = {}
-            for shard, leaves in wanted.items():
-                body = bodies[shard]
-                nodes = body["tree"]["v"]
-                order = sorted(leaves)
-                got = datafiles.read(
-                    strategy.store,
-                    strategy.step_dir(self.step),
-                    body["prefix"],
-                    body["files"],
-                    [nodes[i] for i in order],
-                    threads=strategy.io_threads,
-                    use_mmap=strategy.mmap_reads,
-                )
-                buffers.update({(shard, i): buf for i, buf in zip(order, got, strict=True)})
-            for req in plan.items:
-                where = self.metadata.storage_data[req.storage_index]
-                data = buffers[(where["shard"], where["leaf"])]
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(bytes(data)))
-                    continue
-                stored = (
-                    torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                    if len(data)
-                    else torch.empty(0, dtype=torch.uint8)
-                )
-                stored = stored.view(where["dtype"]).reshape(where["shape"])
-                for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
-                    stored = stored.narrow(dim, offset, length)
-                dest = planner.resolve_tensor(req).detach()
-                if dest.size() != stored.size():
-                    raise CheckpointCorruptError(
-                        f"manifest {name}: {req.storage_index.fqn} has shape {list(stored.size())}, "
-                        f"the target expects {list(dest.size())}",
-                        file=name,
-                    )
-                dest.copy_(stored)
-                planner.commit_tensor(req, dest)
-            future: Future[None] = Future()
-            future.set_result(None)
-            return future
-
-        @classmethod
-        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-            return False
-
-    return Reader
-
-
-# -- DCP metadata <-> JSON (validated: the manifest is untrusted input) ----------------------------------
-
-
-def encode_metadata(metadata: Any) -> dict[str, Any]:
-    """DCP's ``Metadata`` as JSON values."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    entries = {}
-    for fqn, meta in metadata.state_dict_metadata.items():
-        if isinstance(meta, TensorStorageMetadata):
-            entries[fqn] = {
-                "t": "tensor",
-                "dtype": str(meta.properties.dtype).removeprefix("torch."),
-                "requires_grad": bool(meta.properties.requires_grad),
-                "size": list(meta.size),
-                "chunks": [[list(c.offsets), list(c.sizes)] for c in meta.chunks],
-            }
-        else:
-            entries[fqn] = {"t": "bytes"}
-    located = [
-        [index.fqn, None if index.offset is None else list(index.offset), where]
-        for index, where in (metadata.storage_data or {}).items()
-    ]
-    planner = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
-    return {"version": metadata.version, "entries": entries, "storage": located, "planner": planner}
-
-
-def decode_metadata(value: Any, manifest: dict[str, Any], *, name: str) -> Any:
-    """DCP's ``Metadata`` from :func:`encode_metadata`'s output, every field checked against the manifest.
-
-    Raises:
-        CheckpointCorruptError: a field out of schema, or a location outside the step's shards.
-    """
-    import torch
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-
-    def dims(v: Any) -> list[int]:
-        if (
-            not isinstance(v, list)
-            or len(v) > manifest_format.MAX_DIMS
-            or not all(_int(d) and d >= 0 for d in v)
-        ):
-            raise ValueError(f"dimensions {str(v)[:80]}")
-        return v
-
-    def dtype(v: Any) -> Any:
-        found = getattr(torch, v, None) if isinstance(v, str) else None
-        if not isinstance(found, torch.dtype):
-            raise ValueError(f"dtype {str(v)[:40]!r}")
-        return found
-
-    leaves = {
-        b["shard"]: b["tree"].get("v") if isinstance(b["tree"], dict) else None for b in manifest["shards"]
-    }
-    try:
-        entries: dict[str, Any] = {}
-        for fqn, e in value["entries"].items():
-            if e["t"] == "bytes":
-                entries[str(fqn)] = BytesStorageMetadata()
-                continue
-            props = TensorProperties(dtype=dtype(e["dtype"]), requires_grad=bool(e["requires_grad"]))
-            chunks = [ChunkStorageMetadata(torch.Size(dims(o)), torch.Size(dims(s))) for o, s in e["chunks"]]
-            entries[str(fqn)] = TensorStorageMetadata(props, torch.Size(dims(e["size"])), chunks)
-        located = {}
-        for fqn, offset, where in value["storage"]:
-            shard, leaf = where["shard"], where["leaf"]
-            nodes = leaves.get(shard) if _int(shard) else None
-            if not _int(leaf) or not isinstance(nodes, list) or not 0 <= leaf < len(nodes):
-                raise ValueError(f"location {str(where)[:80]} of {str(fqn)[:80]}")
-            nbytes = sum(chunk[2] for chunk in nodes[leaf].get("chunks", []))
-            if where["t"] == "tensor":
-                kind = dtype(where["dtype"])
-                if math.prod(dims(where["shape"])) * kind.itemsize != nbytes:
-                    raise ValueError(f"{str(fqn)[:80]} of shape {where['shape']} in {nbytes} bytes")
-                where = {**where, "dtype": kind}
-            elif where["t"] != "bytes":
-                raise ValueError(f"item kind {str(where['t'])[:40]}")
-            held = nodes[leaf].get("of")  # what the leaf holds (steps written before it was recorded: None)
-            if held is not None and held != [fqn, offset]:
-                raise ValueError(f"{str(fqn)[:80]} at {offset} located in a leaf that holds {str(held)[:80]}")
-            key = MetadataIndex(str(fqn), None if offset is None else torch.Size(dims(offset)))
-            located[key] = where
-        _check_layout(entries, located)
-        planner = {str(k): tuple(v) for k, v in value["planner"].items()}
-        if not all(isinstance(p, (str, int)) for path in planner.values() for p in path):
-            raise ValueError("planner paths")
-        version = value["version"]
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CheckpointCorruptError(f"manifest {name} has invalid DCP metadata: {exc}", file=name) from None
-    return Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=located, version=version)
-
-
-def _check_layout(entries: dict[str, Any], located: dict[Any, dict[str, Any]]) -> None:
-    """The metadata against the tensors it describes, before any byte is copied: each tensor's chunks lie
-    inside it and cover it without overlap, each chunk is stored as one leaf of the chunk's shape and the
-    tensor's dtype, each stored item is described by exactly one entry, and no leaf is used twice.
-
-    Raises:
-        ValueError: naming the item and what disagrees (the caller makes it a CheckpointCorruptError).
-    """
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
-    described = 0
-    for fqn, entry in entries.items():
-        if isinstance(entry, BytesStorageMetadata):
-            where = located.get(MetadataIndex(fqn, None))
-            if where is None or where["t"] != "bytes":
-                raise ValueError(f"{fqn[:80]} is described as bytes but not stored as bytes")
-            described += 1
-            continue
-        size, kind = list(entry.size), entry.properties.dtype
-        boxes = []
-        for chunk in entry.chunks:
-            offsets, sizes = list(chunk.offsets), list(chunk.sizes)
-            if len(offsets) != len(size) or len(sizes) != len(size):
-                raise ValueError(f"{fqn[:80]} of size {size} has a chunk at {offsets} of size {sizes}")
-            if any(o + n > s for o, n, s in zip(offsets, sizes, size, strict=True)):
-                raise ValueError(
-                    f"{fqn[:80]} of size {size} has a chunk at {offsets} of size {sizes} outside it"
-                )
-            where = located.get(MetadataIndex(fqn, chunk.offsets))
-            if where is None or where["t"] != "tensor":
-                raise ValueError(f"the chunk of {fqn[:80]} at {offsets} is not stored as a tensor")
-            if list(where["shape"]) != sizes or where["dtype"] != kind:
-                raise ValueError(
-                    f"the chunk of {fqn[:80]} at {offsets} is {sizes} {kind}, but stored as {where['shape']} "
-                    f"{where['dtype']}"
-                )
-            boxes.append((offsets, sizes))
-        if not _tiles(size, boxes):
-            raise ValueError(f"the chunks of {fqn[:80]} do not cover its size {size} exactly once")
-        described += len(boxes)
-    if described != len(located):
-        raise ValueError(f"{len(located) - described} stored items are described by no entry (or twice)")
-    leaves = {(where["shard"], where["leaf"]) for where in located.values()}
-    if len(leaves) != len(located):
-        raise ValueError("one stored leaf is located for several items")
-
-
-def _tiles(size: list[int], boxes: list[tuple[list[int], list[int]]]) -> bool:
-    """True when ``boxes`` ((offsets, sizes), each inside ``size``) cover ``size`` with no overlap: their
-    volumes add up to it and no two intersect (a sweep along the first dimension)."""
-    if sum(math.prod(n) for _, n in boxes) != math.prod(size):
-        return False
-    if not size:  # a scalar: one chunk of volume 1
-        return True
-    open_boxes: list[tuple[list[int], list[int]]] = []
-    for offsets, sizes in sorted((b for b in boxes if math.prod(b[1])), key=lambda b: b[0]):
-        open_boxes = [(o, n) for o, n in open_boxes if o[0] + n[0] > offsets[0]]
-        for o, n in open_boxes:
-            if all(a < c + m and c < a + k for a, k, c, m in zip(offsets, sizes, o, n, strict=True)):
-                return False
-        open_boxes.append((offsets, sizes))
-    return True
-
-
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _unwrap_one(failure: Any) -> BaseException:

@@ -32,6 +32,7 @@ from vertexrt.checkpoint import (
     shard_restore,
     step_writer,
     storage,
+    tokens,
 )
 from vertexrt.checkpoint.after_commit import AfterCommit
 from vertexrt.checkpoint.decision import SaveDecision
@@ -286,7 +287,7 @@ class CheckpointManager:
                 "replace it atomically, or save a new step number"
             )
         else:
-            token = storage.new_token()
+            token = tokens.new_token()
         tree, leaves = serialization.encode(state, allow_pickle=self.allow_pickle)
         nodes = [node for node, _ in leaves]
         clean_metrics = save_metrics.snapshot(metrics)

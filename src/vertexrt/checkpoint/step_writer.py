@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from vertexrt.checkpoint import datafiles, storage
+from vertexrt.checkpoint import datafiles, storage, tokens
 from vertexrt.checkpoint import manifest as manifest_format
 from vertexrt.distributed import collectives
 from vertexrt.errors import CheckpointCorruptError, CheckpointError, StepExistsError
@@ -56,7 +56,7 @@ def agree_to_start(site: Site, step: int, *, overwrite: bool, dist: Any) -> str:
         StepExistsError: on every rank, when ``step`` is committed and ``overwrite`` is False.
     """
     exists = site.rank == 0 and not overwrite and site.strategy.is_committed(step)
-    token, exists = collectives.broadcast((storage.new_token(), exists), dist)
+    token, exists = collectives.broadcast((tokens.new_token(), exists), dist)
     if exists:
         raise StepExistsError(
             f"step {step} is already committed in {site.directory}; pass overwrite=True to save(...) to "

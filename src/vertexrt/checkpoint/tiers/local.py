@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from vertexrt.checkpoint import datafiles, restoring, storage
+from vertexrt.checkpoint import datafiles, restoring, storage, tokens
 from vertexrt.checkpoint import manifest as manifest_format
 from vertexrt.checkpoint.tiers.config import KEEP
 from vertexrt.errors import CheckpointCorruptError, CheckpointError
@@ -40,7 +40,7 @@ class LocalSteps:
     ) -> int:
         """Write and commit ``step`` (replacing an older version of it); returns the bytes written."""
         strategy = self.strategy
-        token = storage.new_token()
+        token = tokens.new_token()
         write_dir = strategy.begin(step, token)
         prefix = f"data.{token}.s0"
         try:
@@ -68,7 +68,7 @@ class LocalSteps:
     def receive(self, step: int, manifest: bytes, files: Iterable[tuple[str, Any]]) -> None:
         """Commit ``step`` from a copy's manifest bytes and ``(name, bytes)`` files (checked when read)."""
         strategy = self.strategy
-        token = storage.new_token()
+        token = tokens.new_token()
         write_dir = strategy.begin(step, token)
         try:
             for name, data in files:
@@ -112,7 +112,7 @@ class LocalSteps:
         )
 
     def remove(self, step: int) -> None:
-        self.strategy.delete(step, storage.new_token())
+        self.strategy.delete(step, tokens.new_token())
 
     def drop_newer(self, step: int) -> None:
         """Delete the steps after ``step`` (another timeline once training resumed from ``step``)."""
