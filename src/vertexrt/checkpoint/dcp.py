@@ -44,7 +44,7 @@ def holds_dtensors(state: Any) -> bool:
     """True when ``state`` (a dict tree) holds a DTensor: a leaf, a module's or an optimizer's parameter."""
     import sys
 
-    if "torch" not in sys.modules:
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist yet; importing it costs seconds
         return False
     import torch
     from torch.distributed.tensor import DTensor
