@@ -278,3 +278,58 @@ def test_packages_fold_a_cycle_that_no_file_closes(tmp_path, monkeypatch):
     edges = imports()
     assert cycles(edges) == []
     assert cycles(rooms(edges)) == [["vertexrt.a", "vertexrt.b"]]
+
+
+def private_reaches() -> list[str]:
+    """Every use of another module's underscore name: ``from vertexrt.x import _y`` (relative too) and
+    ``x._y`` where ``x`` is a vertexrt module bound by an import. Dunders are public."""
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    found = []
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        where = path.relative_to(SRC)
+        modules: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(PACKAGE)):
+                for alias in node.names:
+                    if private(alias.name):
+                        found.append(f"{where}:{node.lineno}: from {node.module or '.'} import {alias.name}")
+                    base = (node.module or "").replace(".", "/")
+                    candidates = [SRC / base / f"{alias.name}.py", SRC / base / alias.name / "__init__.py"]
+                    if node.level or any(c.exists() for c in candidates):
+                        modules.add(alias.asname or alias.name)
+            elif isinstance(node, ast.Import):
+                modules.update(a.asname for a in node.names if a.asname and a.name.startswith(PACKAGE))
+        for node in ast.walk(tree):
+            value = node.value if isinstance(node, ast.Attribute) and private(node.attr) else None
+            if isinstance(value, ast.Name) and value.id in modules:
+                found.append(f"{where}:{node.lineno}: {value.id}.{node.attr}")  # type: ignore[attr-defined]
+    return found
+
+
+def test_no_module_uses_another_modules_underscore_names():
+    found = private_reaches()
+    assert not found, "underscore names used from another module (make them public or move the code):\n" + (
+        "\n".join(f"    {f}" for f in found)
+    )
+
+
+def test_private_reaches_are_seen_in_both_forms(tmp_path, monkeypatch):
+    """The checker itself: an imported underscore name and an underscore attribute of an imported module."""
+    package = tmp_path / PACKAGE
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "low.py").write_text("_x = 1\ny = 2\n")
+    (package / "high.py").write_text(
+        "from vertexrt.low import _x\nfrom vertexrt import low\nfrom . import low as lo\n"
+        "a = low._x + lo._x + low.y + low.__name__.__len__()\n"
+    )
+    monkeypatch.setitem(globals(), "SRC", tmp_path)
+    assert private_reaches() == [
+        "vertexrt/high.py:1: from vertexrt.low import _x",
+        "vertexrt/high.py:4: low._x",
+        "vertexrt/high.py:4: lo._x",
+    ]
