@@ -366,7 +366,7 @@ class Stager:
 
     def wait(self) -> None:
         """Wait for the last :meth:`stage`'s copies (device copies: ordered before what the current streams
-        run next; host copies: landed) and drop the optimizer step hook.
+        run next; host copies: landed) and remove the optimizer step hook.
 
         Raises:
             CheckpointError: a background host copy failed (raised once: here, or where it was waited for
@@ -522,9 +522,12 @@ class OptimizerStepBarrier:
     """Makes the next ``step()`` of any torch optimizer wait for the copies added here: device copies (CUDA
     events) on its current stream, without the host waiting; host copies (futures) on the host.
 
-    A global optimizer step pre-hook is registered while copies are pending and removed once they are
-    waited for (at that step, at the next save, at :meth:`release`). A failed host copy is raised by the
-    first release that waits for it, as a :class:`~vertexrt.errors.CheckpointError`.
+    A global optimizer step pre-hook is registered while copies are pending. It is removed by
+    :meth:`release` (the next save, ``wait()``, ``close()``), never by the step itself: torch iterates over
+    its global hooks while it calls them, and a hook removed then breaks the step when another one follows
+    (another stager's, at a step where the fast and the durable tier both saved). A failed host copy is
+    raised by the first wait for it (that step or :meth:`release`), as a
+    :class:`~vertexrt.errors.CheckpointError`.
     """
 
     def __init__(self) -> None:
@@ -544,18 +547,23 @@ class OptimizerStepBarrier:
             self._hook_on()
 
     def release(self) -> None:
-        """Order the pending device copies before whatever the current streams run next; wait for the
-        host copies.
+        """Order the pending device copies before whatever the current streams run next, wait for the host
+        copies and remove the step hook.
 
         Raises:
-            CheckpointError: a host copy failed (and no release raised it before).
+            CheckpointError: a host copy failed (and no earlier wait raised it).
         """
+        self._wait(remove_hook=True)
+
+    def _wait(self, *, remove_hook: bool) -> None:
         import sys
 
         with self._lock:
             events, self._events = self._events, {}
             copies = list(self._copies)
-            hook, self._hook = self._hook, None
+            hook = None
+            if remove_hook:
+                hook, self._hook = self._hook, None
         if hook is not None:
             hook.remove()
         torch = sys.modules.get("torch")
@@ -564,7 +572,7 @@ class OptimizerStepBarrier:
             torch.cuda.current_stream(device).wait_event(event)
         for future, _ in copies:
             future.exception()  # waits
-        with self._lock:  # each failure is raised by the one release that takes it off the list
+        with self._lock:  # each failure is raised by the one wait that takes it off the list
             mine = [copy for copy in copies if copy in self._copies]
             self._copies = [copy for copy in self._copies if copy not in mine]
         failed = [(future.exception(), leaves) for future, leaves in mine if future.exception() is not None]
@@ -582,7 +590,7 @@ class OptimizerStepBarrier:
             self._hook = register_optimizer_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.release()
+        self._wait(remove_hook=False)  # idle until release(): see the class docstring
 
 
 # -- restore: host bytes to the device ---------------------------------------------------------------------
