@@ -42,7 +42,8 @@ def encode(state: Any, *, allow_pickle: bool) -> tuple[Any, list[tuple[dict[str,
 
 
 def _mark_optimizer_owned(encoded: list[Encoded], optimizers: list[Any]) -> None:
-    """Flag device leaves that are the very memory of a saved optimizer's parameters or state tensors."""
+    """Flag leaves that are the very memory of a saved optimizer's parameters or state tensors (on a device
+    or in host memory): only that optimizer's ``step()`` changes them, so staging copies them last."""
     if not optimizers:
         return
     owned: set[int | None] = set()
@@ -54,18 +55,25 @@ def _mark_optimizer_owned(encoded: list[Encoded], optimizers: list[Any]) -> None
             owned.update(_address(v) for v in values if adapters.is_torch_tensor(v))
     owned.discard(None)
     for enc in encoded:
-        if enc.data is None and enc.device.numel() and enc.device.data_ptr() in owned:
+        if enc.nbytes and _leaf_address(enc) in owned:
             enc.optimizer_owned = True
 
 
 def _address(tensor: Any) -> int | None:
-    """The device memory address of a plain accelerator tensor (None on the CPU or without storage)."""
-    if tensor.device.type == "cpu":
-        return None
+    """The memory address of a plain tensor's data (None without storage: DTensor and other subclasses)."""
     try:
         return int(tensor.data_ptr())
-    except RuntimeError:  # a tensor subclass without storage (DTensor, ...)
+    except RuntimeError:
         return None
+
+
+def _leaf_address(enc: Encoded) -> int | None:
+    """Where a leaf's bytes live: its device tensor, or live host memory (None for a private copy)."""
+    if enc.data is None:
+        return int(enc.device.data_ptr())
+    if enc.owned:
+        return None
+    return int(enc.data.ctypes.data)
 
 
 def leaf_places(tree: Any) -> dict[int, tuple[str | None, tuple[Any, ...]]]:

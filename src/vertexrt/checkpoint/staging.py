@@ -11,10 +11,20 @@ GPU leaves are copied with non-blocking copies on a side stream that first waits
 The caller's stream waits for those copies before its next kernel, except for the parameters and state of
 an optimizer saved in the same state: their copies overlap the next forward and backward passes, and the
 next ``step()`` of any torch optimizer waits for them on its stream (a global optimizer step pre-hook).
-Code that changes such a tensor in place before the next ``optimizer.step()`` must call the manager's
-``wait()`` first. The host never waits for the GPU. The writer calls :meth:`Staged.ready` on a leaf before it
-reads it, so a synchronous save checksums and writes leaf k while leaf k+1 is still being copied. Live CPU
-leaves (async saves) are copied in parallel chunks.
+The host never waits for the GPU. The writer calls :meth:`Staged.ready` on a leaf before it reads it, so a
+synchronous save checksums and writes leaf k while leaf k+1 is still being copied.
+
+Live CPU leaves (async saves) follow the same contract on the host: the parameters and state of a saved
+optimizer are copied into the arena by the copy threads in the background (in parallel chunks) while
+``stage()`` returns; the other leaves (buffers, plain tensors, numpy arrays) are copied before it returns.
+The next ``step()`` of any torch optimizer waits for the background copies, and so do the next
+``stage()``, :meth:`Stager.wait` and :meth:`Stager.close`; :meth:`Staged.ready` waits for one leaf's.
+
+Code that changes a parameter or optimizer state tensor in place before the next ``optimizer.step()`` must
+call the manager's ``wait()`` first (it returns once the writer has read every leaf, each after its copy).
+A background copy that fails fails its save (``ready`` raises :class:`~vertexrt.errors.CheckpointError`)
+and is raised once more, as a ``CheckpointError``, by the first of the next optimizer step, ``stage()``,
+``wait()`` or ``close()`` that waits for it: never lost.
 
 A restore to the GPU goes through :class:`Uploader`: host threads fill a few pinned bounce buffers and the
 caller's thread queues each non-blocking host-to-device copy on the caller's stream before returning, so
@@ -24,6 +34,7 @@ Example:
     >>> stager = Stager()
     >>> buffers = stager.stage(encoded_leaves, copy_host=True)   # returns once the copies are enqueued
     >>> buffers.ready(0); write(buffers[0])                       # on the writer thread
+    >>> optimizer.step()                                          # waits for the deferred copies first
 """
 
 from __future__ import annotations
@@ -35,11 +46,11 @@ import os
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-from vertexrt.errors import ConfigError
+from vertexrt.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +64,8 @@ GROWTH = 0.25
 PINNED_LIMIT_VAR = "VERTEXRT_PINNED_LIMIT"
 #: Without ``VERTEXRT_PINNED_LIMIT``: this fraction of the host's memory, shared by its local processes.
 PINNED_FRACTION = 0.25
+#: What a failed background host copy's error suggests.
+COPY_FAILURE_HINT = "Check the host's free memory; if it has room, report this message as a vertexrt bug"
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -111,17 +124,38 @@ def _local_processes() -> int:
 
 
 class Staged(list):  # type: ignore[type-arg]
-    """The leaves' host buffers (1-D uint8 arrays); :meth:`ready` before reading a GPU leaf's bytes."""
+    """The leaves' host buffers (1-D uint8 arrays); :meth:`ready` before reading a leaf's bytes.
 
-    def __init__(self, buffers: Sequence[Any], events: dict[int, Any]) -> None:
+    ``events``: leaf -> the event of its device-to-host copy; ``copies``: leaf -> the futures of its
+    background host copy (the chunks that hold its bytes).
+    """
+
+    def __init__(
+        self,
+        buffers: Sequence[Any],
+        events: dict[int, Any],
+        copies: dict[int, list[Future[None]]] | None = None,
+    ) -> None:
         super().__init__(buffers)
         self.events = events
+        self.copies = copies or {}
 
     def ready(self, leaf: int) -> None:
-        """Block until leaf ``leaf``'s device-to-host copy has landed (no-op for host leaves)."""
+        """Block until leaf ``leaf``'s copy has landed (no-op for a leaf read from live memory).
+
+        Raises:
+            CheckpointError: its background host copy failed (the save must not write it).
+        """
         event = self.events.get(leaf)
         if event is not None:
             event.synchronize()
+        for future in self.copies.get(leaf, ()):
+            error = future.exception()
+            if error is not None:
+                raise CheckpointError(
+                    f"the background copy of checkpoint leaf {leaf} ({len(self[leaf])} bytes) into host "
+                    f"memory failed: {error!r}; this save fails. {COPY_FAILURE_HINT}"
+                ) from error
 
 
 class CudaHostRegistry:
@@ -302,34 +336,57 @@ class Arena:
 
 
 class Stager:
-    """Stages encoded leaves (``adapters.Encoded``) into a reused host arena; see the module docstring."""
+    """Stages encoded leaves (``adapters.Encoded``) into a reused host arena; see the module docstring.
 
-    def __init__(self, threads: int | None = None, arena: Arena | None = None) -> None:
+    ``pool`` runs the host copies (default: :attr:`threads` threads, started on first use and stopped by
+    :meth:`close`; a pool passed in stays the caller's to shut down).
+    """
+
+    def __init__(
+        self, threads: int | None = None, arena: Arena | None = None, pool: Executor | None = None
+    ) -> None:
         self.arena = arena if arena is not None else Arena()
         self.threads = threads or copy_threads()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = pool
+        self._owns_pool = pool is None
         self._streams: dict[Any, Any] = {}
         self._before_step = OptimizerStepBarrier()
         self._in_flight: list[Any] = []  # the last stage()'s copy events
 
     def close(self) -> None:
-        """Stop the copy threads and free the arena, unlocking its pinned memory (``stage`` starts again)."""
-        self._before_step.release()
-        self._drain()
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-        self.arena.release()
+        """Wait for the copies, stop the copy threads and free the arena, unlocking its pinned memory
+        (``stage`` starts again). Raises a background copy's failure that nothing raised yet."""
+        try:
+            self.wait()
+        finally:
+            if self._owns_pool and self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            self.arena.release()
+
+    def wait(self) -> None:
+        """Wait for the last :meth:`stage`'s copies (device copies: ordered before what the current streams
+        run next; host copies: landed) and remove the optimizer step hook.
+
+        Raises:
+            CheckpointError: a background host copy failed (raised once: here, or where it was waited for
+                first).
+        """
+        try:
+            self._before_step.release()
+        finally:
+            self._drain()
 
     def stage(self, encoded: Sequence[Any], *, copy_host: bool) -> Staged:
         """Host buffers for ``encoded``: GPU leaves always copied, live CPU leaves when ``copy_host``.
 
-        The previous call's buffers must no longer be in use (the manager waits for the save in flight).
+        Returns once the device copies are queued and the host copies of leaves no optimizer owns have
+        landed (the others land in the background: :meth:`Staged.ready`). The previous call's buffers must
+        no longer be in use (the manager waits for the save in flight); its copies are waited for first.
         """
         import numpy as np
 
-        self._before_step.release()  # the previous save's deferred copies: ordered before this save's
-        self._drain()
+        self.wait()  # the previous save's deferred copies: ordered before this save's
         copied = [e.data is None or (copy_host and not e.owned) for e in encoded]
         offsets, end = [], 0
         for e, copy in zip(encoded, copied, strict=True):
@@ -339,7 +396,8 @@ class Stager:
         on_device = any(e.data is None for e in encoded)
         arena = self.arena.reserve(end, pinned=on_device) if end else np.empty(0, dtype=np.uint8)
         buffers: list[Any] = []
-        host_jobs: list[tuple[Any, Any]] = []
+        urgent: list[tuple[int, Any, Any]] = []
+        deferred: list[tuple[int, Any, Any]] = []
         device_jobs: list[tuple[int, Any, int, bool]] = []
         for leaf, (e, copy, start) in enumerate(zip(encoded, copied, offsets, strict=True)):
             if not copy:
@@ -350,12 +408,13 @@ class Stager:
             if e.data is None:
                 device_jobs.append((leaf, e.device, start, e.optimizer_owned))
             else:
-                host_jobs.append((view, e.data))
+                (deferred if e.optimizer_owned else urgent).append((leaf, view, e.data))
         events = self._copy_from_devices(device_jobs, arena) if device_jobs else {}
         self._in_flight = list(events.values())
-        if host_jobs:
-            self._copy_host(host_jobs)
-        return Staged(buffers, events)
+        if urgent:
+            self._copy_host(urgent)
+        copies = self._copy_host_later(deferred) if deferred else {}
+        return Staged(buffers, events, copies)
 
     def _drain(self) -> None:
         """Wait for the last copies into the arena (a save that failed midway left some unread)."""
@@ -396,31 +455,56 @@ class Stager:
                 self._before_step.add(device, events[deferred[-1][0]])
         return events
 
-    def _copy_host(self, jobs: list[tuple[Any, Any]]) -> None:
-        import numpy as np
-
-        tasks: list[list[tuple[Any, Any]]] = [[]]
-        size = 0
-        for dst, src in jobs:
-            for start in range(0, len(src), CHUNK):
-                if size >= CHUNK:
-                    tasks.append([])
-                    size = 0
-                piece = slice(start, start + CHUNK)
-                tasks[-1].append((dst[piece], src[piece]))
-                size += min(CHUNK, len(src) - start)
-
-        def run(task: list[tuple[Any, Any]]) -> None:
-            for dst, src in task:
-                np.copyto(dst, src)  # releases the GIL: the copies run in parallel
-
+    def _copy_host(self, jobs: list[tuple[int, Any, Any]]) -> None:
+        """Copy now, in parallel chunks on the pool."""
+        tasks = [pieces for _, pieces in chunked(jobs)]
         if self.threads <= 1 or len(tasks) <= 1:
             for task in tasks:
-                run(task)
+                copy_pieces(task)
             return
+        list(self._executor().map(copy_pieces, tasks))
+
+    def _copy_host_later(self, jobs: list[tuple[int, Any, Any]]) -> dict[int, list[Future[None]]]:
+        """Start the copies on the pool; the next optimizer step (or stage, wait, close) waits for them."""
+        pool = self._executor()
+        copies: dict[int, list[Future[None]]] = {}
+        for leaves, pieces in chunked(jobs):
+            future = pool.submit(copy_pieces, pieces)
+            for leaf in leaves:
+                copies.setdefault(leaf, []).append(future)
+            self._before_step.add_copy(future, leaves)
+        return copies
+
+    def _executor(self) -> Executor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="vertexrt-ckpt-copy")
-        list(self._pool.map(run, tasks))
+        return self._pool
+
+
+def chunked(jobs: list[tuple[int, Any, Any]]) -> list[tuple[list[int], list[tuple[Any, Any]]]]:
+    """``(leaf, destination, source)`` copies as tasks of about :data:`CHUNK` bytes each: small leaves
+    share a task, a large one is split. Each task is ``(its leaves, its (destination, source) pieces)``."""
+    tasks: list[tuple[list[int], list[tuple[Any, Any]]]] = [([], [])]
+    size = 0
+    for leaf, dst, src in jobs:
+        for start in range(0, len(src), CHUNK):
+            if size >= CHUNK:
+                tasks.append(([], []))
+                size = 0
+            piece = slice(start, start + CHUNK)
+            leaves, pieces = tasks[-1]
+            if not leaves or leaves[-1] != leaf:
+                leaves.append(leaf)
+            pieces.append((dst[piece], src[piece]))
+            size += min(CHUNK, len(src) - start)
+    return [task for task in tasks if task[1]]
+
+
+def copy_pieces(pieces: list[tuple[Any, Any]]) -> None:
+    import numpy as np
+
+    for dst, src in pieces:
+        np.copyto(dst, src)  # releases the GIL: the copies run in parallel
 
 
 def copy_order(jobs: list[tuple[int, Any, int, bool]]) -> tuple[list[Any], list[Any]]:
@@ -435,41 +519,78 @@ def copy_order(jobs: list[tuple[int, Any, int, bool]]) -> tuple[list[Any], list[
 
 
 class OptimizerStepBarrier:
-    """Makes the next ``step()`` of any torch optimizer wait, on its current stream, for events added here.
+    """Makes the next ``step()`` of any torch optimizer wait for the copies added here: device copies (CUDA
+    events) on its current stream, without the host waiting; host copies (futures) on the host.
 
-    A global optimizer step pre-hook is registered while events are pending and removed once they are
-    waited for (at that step, at the next save, or at :meth:`release`).
+    A global optimizer step pre-hook is registered while copies are pending. It is removed by
+    :meth:`release` (the next save, ``wait()``, ``close()``), never by the step itself: torch iterates over
+    its global hooks while it calls them, and a hook removed then breaks the step when another one follows
+    (another stager's, at a step where the fast and the durable tier both saved). A failed host copy is
+    raised by the first wait for it (that step or :meth:`release`), as a
+    :class:`~vertexrt.errors.CheckpointError`.
     """
 
     def __init__(self) -> None:
         self._events: dict[Any, Any] = {}
+        self._copies: list[tuple[Future[None], list[int]]] = []  # (future, the leaves it copies)
         self._hook: Any = None
         self._lock = threading.Lock()
 
     def add(self, device: Any, event: Any) -> None:
         with self._lock:
             self._events[device] = event
-            if self._hook is None:
-                from torch.optim.optimizer import register_optimizer_step_pre_hook
+            self._hook_on()
 
-                self._hook = register_optimizer_step_pre_hook(self._before_step)
+    def add_copy(self, future: Future[None], leaves: list[int]) -> None:
+        with self._lock:
+            self._copies.append((future, leaves))
+            self._hook_on()
 
     def release(self) -> None:
-        """Order the pending copies before whatever the current streams run next."""
+        """Order the pending device copies before whatever the current streams run next, wait for the host
+        copies and remove the step hook.
+
+        Raises:
+            CheckpointError: a host copy failed (and no earlier wait raised it).
+        """
+        self._wait(remove_hook=True)
+
+    def _wait(self, *, remove_hook: bool) -> None:
         import sys
 
         with self._lock:
             events, self._events = self._events, {}
-            hook, self._hook = self._hook, None
+            copies = list(self._copies)
+            hook = None
+            if remove_hook:
+                hook, self._hook = self._hook, None
         if hook is not None:
             hook.remove()
         torch = sys.modules.get("torch")
         for device, event in events.items():
             assert torch is not None
             torch.cuda.current_stream(device).wait_event(event)
+        for future, _ in copies:
+            future.exception()  # waits
+        with self._lock:  # each failure is raised by the one wait that takes it off the list
+            mine = [copy for copy in copies if copy in self._copies]
+            self._copies = [copy for copy in self._copies if copy not in mine]
+        failed = [(future.exception(), leaves) for future, leaves in mine if future.exception() is not None]
+        if failed:
+            error, leaves = failed[0]
+            raise CheckpointError(
+                f"the background copy of checkpoint leaves {leaves} into host memory failed: {error!r}; the "
+                f"save that staged them fails. {COPY_FAILURE_HINT}"
+            ) from error
+
+    def _hook_on(self) -> None:
+        if self._hook is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            self._hook = register_optimizer_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.release()
+        self._wait(remove_hook=False)  # idle until release(): see the class docstring
 
 
 # -- restore: host bytes to the device ---------------------------------------------------------------------
