@@ -22,7 +22,7 @@ step() {  # step NAME SECONDS COMMAND...: run with the smaller of SECONDS and wh
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/summary.txt"
 step pytest_cuda 170 python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts= \
   tests/checkpoint/test_cuda.py tests/checkpoint/test_cuda_memory.py tests/checkpoint/test_placement.py \
-  tests/checkpoint/test_fast_tier_units.py -rs
+  tests/checkpoint/test_fast_tier_units.py tests/checkpoint/test_staging_deferred.py -rs
 step nccl_bind 40 python3 scripts/gpu_check.py
 step fast_tier_cuda 90 python3 benchmarks/fast_checkpoint.py --device cuda --repeats 2
 step steps_around_save 120 python3 benchmarks/gpu_checkpoint.py --only steps --step-gib 2 --saves 5
