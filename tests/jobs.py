@@ -7,7 +7,7 @@
   no process of the tree survives it.
 - :func:`run_ranks`: one worker script as ``world`` real processes (gloo ranks) sharing one free port.
 
-``run_tree`` and ``run_ranks`` time out on a :class:`StarvedDeadline`: a ceiling that a correct run meets on
+Jobs, trees and ranks time out on a :class:`StarvedDeadline`: a ceiling that a correct run meets on
 an idle machine is not exceeded because other work kept the job's processes off the CPUs.
 
 Worker scripts: a program a test starts (a rank, a training run, a replica) is a file in the ``scripts/``
@@ -124,11 +124,11 @@ class Job:
     def wait(self, timeout: float) -> subprocess.CompletedProcess[str]:
         """Wait for the job to exit and its output to end; on timeout its whole process group is killed and
         the test fails with the output's tail."""
-        deadline = time.monotonic() + timeout
+        deadline = StarvedDeadline(timeout, lambda: group_members(self._proc.pid))
         try:
-            self._proc.wait(timeout)
+            deadline.run(self._proc.wait)
             for reader in self._readers:
-                reader.join(max(deadline - time.monotonic(), 0))
+                reader.join(max(deadline.remaining(), 0))
             if any(r.is_alive() for r in self._readers):
                 raise subprocess.TimeoutExpired(self.command, timeout)
         except subprocess.TimeoutExpired:
@@ -181,6 +181,22 @@ def run_job(
     tail. ``cwd=None``: the test's own."""
     with start_job(command, cwd, env, merge_stderr=merge_stderr) as job:
         return job.wait(timeout)
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of the live processes in process group ``pgid``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()  # state, ppid, pgrp, ...
+        if len(fields) > 2 and fields[2] == str(pgid):
+            pids.append(int(entry.name))
+    return pids
 
 
 def runqueue_seconds(pids: Iterable[int]) -> dict[int, float]:
