@@ -7,6 +7,9 @@
   no process of the tree survives it.
 - :func:`run_ranks`: one worker script as ``world`` real processes (gloo ranks) sharing one free port.
 
+Jobs, trees and ranks time out on a :class:`StarvedDeadline`: a ceiling that a correct run meets on
+an idle machine is not exceeded because other work kept the job's processes off the CPUs.
+
 Worker scripts: a program a test starts (a rank, a training run, a replica) is a file in the ``scripts/``
 folder beside the test (``tests/runtime/scripts/crash_at.py``, ``tests/scripts/...`` for top-level tests), run
 by path with its inputs as arguments. An inline ``python -c`` string is for a probe of a few lines (what an
@@ -23,16 +26,18 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import pytest
 
 from vertexrt._net import free_port
 
 TESTS = Path(__file__).resolve().parent
+T = TypeVar("T")
 
 
 class Job:
@@ -119,11 +124,11 @@ class Job:
     def wait(self, timeout: float) -> subprocess.CompletedProcess[str]:
         """Wait for the job to exit and its output to end; on timeout its whole process group is killed and
         the test fails with the output's tail."""
-        deadline = time.monotonic() + timeout
+        deadline = StarvedDeadline(timeout, lambda: group_members(self._proc.pid))
         try:
-            self._proc.wait(timeout)
+            deadline.run(self._proc.wait)
             for reader in self._readers:
-                reader.join(max(deadline - time.monotonic(), 0))
+                reader.join(max(deadline.remaining(), 0))
             if any(r.is_alive() for r in self._readers):
                 raise subprocess.TimeoutExpired(self.command, timeout)
         except subprocess.TimeoutExpired:
@@ -176,6 +181,80 @@ def run_job(
     tail. ``cwd=None``: the test's own."""
     with start_job(command, cwd, env, merge_stderr=merge_stderr) as job:
         return job.wait(timeout)
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of the live processes in process group ``pgid``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rpartition(")")[2].split()  # state, ppid, pgrp, ...
+        if len(fields) > 2 and fields[2] == str(pgid):
+            pids.append(int(entry.name))
+    return pids
+
+
+def runqueue_seconds(pids: Iterable[int]) -> dict[int, float]:
+    """Per thread of the processes ``pids``: the seconds it has spent runnable but waiting for a CPU (the
+    second field of Linux's ``/proc/PID/task/TID/schedstat``); threads that are gone are left out."""
+    waits = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                fields = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+                waits[int(tid)] = int(fields[1]) / 1e9
+            except (OSError, IndexError, ValueError):
+                continue
+    return waits
+
+
+class StarvedDeadline:
+    """``seconds`` from now, plus the time the job's most delayed thread has waited for a CPU so far.
+
+    A correct job's wall time is the time it needs plus the time its processes sat runnable while other
+    work held the cores; on a loaded 2-core machine (load average 20-50) that second part is many times the
+    first, so a fixed ceiling fails correct runs. A hung job (blocked in a collective, waiting for a peer
+    that never comes) does not wait for a CPU, so it still ends at ``seconds``.
+    """
+
+    def __init__(self, seconds: float, pids: Callable[[], Iterable[int]]) -> None:
+        self.seconds = seconds
+        self._pids = pids
+        self._start = time.monotonic()
+        self._waits: dict[int, float] = {}
+
+    def starved(self) -> float:
+        """Seconds the most delayed thread of the job has waited for a CPU, over the threads seen so far."""
+        self._waits.update(runqueue_seconds(self._pids()))
+        return max(self._waits.values(), default=0.0)
+
+    def remaining(self) -> float:
+        return self._start + self.seconds + self.starved() - time.monotonic()
+
+    def run(self, step: Callable[[float], T]) -> T:
+        """``step(seconds)`` (e.g. ``proc.wait``, ``proc.communicate``) again each second while it raises
+        ``subprocess.TimeoutExpired``, until it returns or the deadline passes.
+
+        Raises:
+            subprocess.TimeoutExpired: the deadline passed first.
+        """
+        while True:
+            left = self.remaining()
+            if left <= 0:
+                raise subprocess.TimeoutExpired("the job", self.seconds)
+            try:
+                return step(min(left, 1.0))
+            except subprocess.TimeoutExpired:
+                continue
 
 
 MARK = "VERTEXRT_TEST_MARK"
@@ -270,7 +349,7 @@ def run_tree(
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout)
+            StarvedDeadline(timeout, lambda: marked_processes(marker)).run(proc.wait)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)
             try:
@@ -280,7 +359,9 @@ def run_tree(
                 proc.wait()
             reader.join(5)
             output = b"".join(lines).decode(errors="replace")[-4000:]
-            pytest.fail(f"{argv} timed out after {timeout}s; output:\n{output}")
+            pytest.fail(
+                f"{argv} timed out after {timeout}s (not counting its waits for a CPU); output:\n{output}"
+            )
         reader.join(10)
     finally:
         leftovers = marked_processes(marker)
@@ -299,9 +380,10 @@ def run_ranks(
     env: Mapping[str, str] | None = None,
 ) -> list[tuple[int, str, str]]:
     """Run the Python file ``script`` as ``world`` real processes, ``argv(rank, port)`` each with one free
-    port for all; (returncode, stdout, stderr) per rank, each waited for at most ``timeout`` seconds. Every
-    process is killed if the test gives up. The script's folder and ``tests/`` (``rank_exit``) are on its
-    ``sys.path``; ``env`` (default: this process's) is the rest of its environment."""
+    port for all; (returncode, stdout, stderr) per rank, all waited for at most ``timeout`` seconds (a
+    :class:`StarvedDeadline`). Every process is killed if the test gives up. The script's folder and
+    ``tests/`` (``rank_exit``) are on its ``sys.path``; ``env`` (default: this process's) is the rest of its
+    environment."""
     port = free_port()
     base = os.environ if env is None else env
     path = [os.path.dirname(os.path.abspath(script)), str(TESTS), base.get("PYTHONPATH", "")]
@@ -313,8 +395,11 @@ def run_ranks(
         )
         for rank in range(world)
     ]
+    deadline = StarvedDeadline(timeout, lambda: [proc.pid for proc in procs])
     try:
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+        outputs = [
+            deadline.run(lambda seconds, proc=proc: proc.communicate(timeout=seconds)) for proc in procs
+        ]
     finally:
         for proc in procs:
             if proc.poll() is None:

@@ -1,6 +1,6 @@
 """Subprocess for the kill tests: resumes from the newest checkpoint and saves forever until killed.
 
-Usage: python kill_writer.py ROOT
+Usage: python kill_writer.py ROOT. Prints ``ready``, then ``committed N`` once step N is committed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ def main(root: str) -> None:
     start = 0 if latest is None else latest + 1
     print("ready", flush=True)
     for step in range(start, start + 100_000):
-        mgr.save(step, make_state(step))
+        mgr.save(step, make_state(step))  # returns once the save before it (one in flight) is committed
+        if step > start:
+            print(f"committed {step - 1}", flush=True)
     mgr.close()
 
 

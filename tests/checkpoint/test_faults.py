@@ -44,6 +44,12 @@ def test_random_sigkills_never_expose_a_partial_checkpoint(storage_root):
         proc = _spawn_writer(storage_root)
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+            # Each life commits a step before the kill (a random time into a later save): a kill at a fixed
+            # time after "ready" found no step committed yet when the machine was starved of CPU, and
+            # the writer's progress check failed. Waiting for the line is an event, not a timing.
+            line = proc.stdout.readline()
+            assert line.startswith("committed "), line
+            committed = int(line.split()[1])
             time.sleep(rng.uniform(0.0, 0.4))
         finally:
             proc.kill()
@@ -56,10 +62,8 @@ def test_random_sigkills_never_expose_a_partial_checkpoint(storage_root):
             assert latest == (steps[-1] if steps else None)
             for step in steps:  # every committed step is complete and bit-exact
                 assert_state_equal(mgr.restore(step=step), make_state(step))
-        latest = -1 if latest is None else latest
-        assert latest >= previous  # a committed step is never lost
+        assert latest is not None and latest >= max(previous, committed)  # a committed step is never lost
         previous = latest
-    assert previous >= KILLS[kind] // 3, "the writer made too little progress for the kills to mean much"
 
 
 def _mount_tmpfs(path: str, size: str) -> bool:
