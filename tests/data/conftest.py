@@ -22,6 +22,21 @@ def read_all(uri: str, **kw: Any) -> list[Any]:
     return list(open_dataset(uri, **{"shuffle": False, "rank": 0, "world_size": 1, **kw}))
 
 
+def assert_resumes_exactly(uri: str, stops: Iterable[int]) -> None:
+    """Stopping after each of ``stops`` records, saving the state and resuming a new reader from it gives
+    exactly the records of one uninterrupted read."""
+    full = read_all(uri)
+    for stop in stops:
+        ds = open_dataset(uri, shuffle=False, rank=0, world_size=1)
+        it = iter(ds)
+        head = [next(it) for _ in range(stop)]
+        state = ds.state_dict()
+        del it
+        resumed = open_dataset(uri, shuffle=False, rank=0, world_size=1)
+        resumed.load_state_dict(state)
+        assert head + list(resumed) == full, f"stop={stop}"
+
+
 def jsonl_bytes(records: Iterable[Any]) -> bytes:
     return b"".join(json.dumps(r).encode() + b"\n" for r in records)
 

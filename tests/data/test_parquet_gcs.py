@@ -16,7 +16,7 @@ from vertexrt.data import Parquet, _ranged, open_dataset
 from vertexrt.data.formats.base import Errors, FileSource
 from vertexrt.errors import DataError
 
-from .conftest import read_all, write_bytes
+from .conftest import assert_resumes_exactly, read_all, write_bytes
 
 RANGE = 20_011  # small, odd ranges: a row group's column chunks span several
 GROUP_ROWS = 1000
@@ -83,16 +83,7 @@ def test_rows_are_those_of_the_local_file(
 
 def test_resume_mid_file_is_exact(small_ranges: None, gcs_server: Any) -> None:
     uri = on_gcs(gcs_server, parquet_bytes())
-    full = read_all(uri)
-    for stop in (1, GROUP_ROWS * 3 + 17, len(full) - 1):
-        ds = open_dataset(uri, shuffle=False, rank=0, world_size=1)
-        it = iter(ds)
-        head = [next(it) for _ in range(stop)]
-        state = ds.state_dict()
-        del it
-        resumed = open_dataset(uri, shuffle=False, rank=0, world_size=1)
-        resumed.load_state_dict(state)
-        assert head + list(resumed) == full, f"stop={stop}"
+    assert_resumes_exactly(uri, (1, GROUP_ROWS * 3 + 17, len(read_all(uri)) - 1))
 
 
 @pytest.mark.timeout(30)  # the old reader (gcsfs's file object) waits on a stalled request for good
