@@ -214,26 +214,24 @@ def test_every_module_has_a_layer():
         layer_of(module)
 
 
-def test_no_import_cycle():
-    edges = [e for e in imports() if not e.type_only]
-    found = cycles(edges)
+def cycle_report(edges: list[Import], what: str) -> str:
+    """Each cycle of ``edges`` and the imports that close it (empty when there is none)."""
     report = []
-    for component in found:
+    for component in cycles(edges):
         members = set(component)
-        report.append("cycle: " + ", ".join(component))
+        report.append(f"{what}: " + ", ".join(component))
         report += [f"    {e}" for e in edges if e.source in members and e.target in members]
-    assert not found, "\n".join(report)
+    return "\n".join(report)
+
+
+def test_no_import_cycle():
+    report = cycle_report([e for e in imports() if not e.type_only], "cycle")
+    assert not report, report
 
 
 def test_no_import_cycle_between_packages():
-    edges = rooms([e for e in imports() if not e.type_only])
-    found = cycles(edges)
-    report = []
-    for component in found:
-        members = set(component)
-        report.append("cycle between packages: " + ", ".join(component))
-        report += [f"    {e}" for e in edges if e.source in members and e.target in members]
-    assert not found, "\n".join(report)
+    report = cycle_report(rooms([e for e in imports() if not e.type_only]), "cycle between packages")
+    assert not report, report
 
 
 def test_no_import_from_a_lower_layer_to_a_higher_one():
