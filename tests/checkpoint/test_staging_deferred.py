@@ -118,11 +118,18 @@ def test_stage_returns_before_optimizer_owned_copies_and_the_next_step_waits_for
     assert _step_hooks() == hooks
 
 
-def test_a_failed_background_copy_fails_its_leaf_and_is_raised_once_at_the_next_step():
+def _with_a_broken_owned_leaf() -> tuple[Any, Any, list[Any], int]:
+    """A model, its SGD, their encoded leaves and the index of an optimizer-owned leaf whose copy will fail
+    (its data is float64, not bytes)."""
     model, opt = _model_and_sgd()
     encoded = _encoded({"model": model, "opt": opt})
     broken = next(i for i, e in enumerate(encoded) if e.optimizer_owned)
-    encoded[broken] = dataclasses.replace(encoded[broken], data=np.linspace(0.0, 1.0, 64))  # not bytes
+    encoded[broken] = dataclasses.replace(encoded[broken], data=np.linspace(0.0, 1.0, 64))
+    return model, opt, encoded, broken
+
+
+def test_a_failed_background_copy_fails_its_leaf_and_is_raised_once_at_the_next_step():
+    model, opt, encoded, broken = _with_a_broken_owned_leaf()
     hooks = _step_hooks()
     stager = staging.Stager(threads=2, pool=_OnDemandPool())
     staged = stager.stage(encoded, copy_host=True)
@@ -152,10 +159,7 @@ def test_two_stagers_with_pending_copies_do_not_break_the_optimizer_step():
 
 
 def test_a_failed_copy_no_step_waited_for_is_raised_by_close():
-    model, opt = _model_and_sgd()
-    encoded = _encoded({"model": model, "opt": opt})
-    broken = next(i for i, e in enumerate(encoded) if e.optimizer_owned)
-    encoded[broken] = dataclasses.replace(encoded[broken], data=np.linspace(0.0, 1.0, 64))
+    model, opt, encoded, broken = _with_a_broken_owned_leaf()
     hooks = _step_hooks()
     stager = staging.Stager(threads=2, pool=_OnDemandPool())
     stager.stage(encoded, copy_host=True)
