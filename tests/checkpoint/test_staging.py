@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from vertexrt.checkpoint import CheckpointManager, datafiles, staging
+from vertexrt.checkpoint import CheckpointManager, datafiles, staging, uploads
 from vertexrt.checkpoint.storage import MANIFEST, step_name
 from vertexrt.checkpoint.stores import OsStore
 from vertexrt.errors import CheckpointError, ConfigError
@@ -240,11 +240,11 @@ def test_device_copies_of_optimizer_owned_leaves_are_queued_last():
 
 def test_a_conjugate_or_negative_view_target_is_not_filled_with_raw_bytes():
     source = torch.randn(6, dtype=torch.complex64)
-    assert staging.byte_copyable(source, torch.zeros(6, dtype=torch.complex64))
-    assert not staging.byte_copyable(source, torch.zeros(6, dtype=torch.complex64).conj())
-    assert not staging.byte_copyable(source.real, torch.zeros(6)._neg_view())
-    assert not staging.byte_copyable(source, torch.zeros(3, 2, dtype=torch.complex64).t())
-    assert not staging.byte_copyable(source, torch.zeros(6, dtype=torch.complex128))
+    assert uploads.byte_copyable(source, torch.zeros(6, dtype=torch.complex64))
+    assert not uploads.byte_copyable(source, torch.zeros(6, dtype=torch.complex64).conj())
+    assert not uploads.byte_copyable(source.real, torch.zeros(6)._neg_view())
+    assert not uploads.byte_copyable(source, torch.zeros(3, 2, dtype=torch.complex64).t())
+    assert not uploads.byte_copyable(source, torch.zeros(6, dtype=torch.complex128))
 
 
 class _Landing:
@@ -369,7 +369,7 @@ def test_restore_uploads_are_all_queued_on_the_calling_thread_before_copy_return
     registry = _Registry()
     source = torch.arange(10 * 1024 + 300, dtype=torch.float32)  # 10.3 chunks of 4 KiB
     target = torch.zeros_like(source)  # a CPU tensor: its copy_ runs when queued
-    uploader = staging.Uploader(slots=4, chunk=4096, registry=registry)
+    uploader = uploads.Uploader(slots=4, chunk=4096, registry=registry)
     uploader.copy(source.view(torch.uint8).numpy(), target)
     assert torch.equal(target, source)  # before finish(): every byte is in place
     assert len(_Event.queued_by) == 11 and set(_Event.queued_by) == {threading.get_ident()}

@@ -154,10 +154,10 @@ def assign(target: Any, value: Any, path: str) -> Any:
 
         source = value if is_torch_tensor(value) else torch.as_tensor(value)
         _check_shape(tuple(target.shape), tuple(source.shape), path)
-        from vertexrt.checkpoint import staging
+        from vertexrt.checkpoint import uploads
 
         with torch.no_grad():
-            if not staging.copy_to_device(source, target):  # a CUDA target: pinned, non-blocking
+            if not uploads.copy_to_device(source, target):  # a CUDA target: pinned, non-blocking
                 target.copy_(source)
         return target
     if is_numpy(target) and not _is_np_scalar(target):

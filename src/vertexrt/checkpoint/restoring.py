@@ -190,7 +190,7 @@ def decode(loaded: Loaded, target: Any, device: Any = None) -> Any:
     Raises:
         CheckpointError: ``device`` is not a device of this machine.
     """
-    from vertexrt.checkpoint import adapters, staging
+    from vertexrt.checkpoint import adapters, uploads
 
     by_node = {id(node): buffer for node, buffer in zip(loaded.nodes, loaded.buffers, strict=True)}
     places = serialization.leaf_places(loaded.body["tree"])
@@ -206,7 +206,7 @@ def decode(loaded: Loaded, target: Any, device: Any = None) -> Any:
             return value
         return placement(node, value)
 
-    with staging.uploads():
+    with uploads.uploads():
         if target is None:
             return serialization.decode(loaded.body["tree"], values, place=place)
         return serialization.decode(loaded.body["tree"], values, target, place)
@@ -259,9 +259,9 @@ class _Placement:
         import torch
 
         out = torch.empty(value.shape, dtype=value.dtype, device=where)
-        from vertexrt.checkpoint import staging
+        from vertexrt.checkpoint import uploads
 
-        if not staging.copy_to_device(value, out):
+        if not uploads.copy_to_device(value, out):
             out.copy_(value)
         return out
 
