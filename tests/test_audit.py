@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs import run_job
 
 from vertexrt import audit
 from vertexrt.errors import DataError
@@ -236,9 +236,7 @@ def test_records_read_through_as_tf_are_audited_once_up_to_the_process_exit(tmp_
         "it = iter(ds); [next(it) for _ in range(7)]\n"  # epoch 1, left unfinished at the exit
     )
     env = {**os.environ, audit.DIRECTORY_VARIABLE: str(tmp_path / "audit"), audit.REPLICA_VARIABLE: "w"}
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(data)], env=env, capture_output=True, text=True, timeout=120
-    )
+    done = run_job([sys.executable, "-c", script, str(data)], None, 120, env, merge_stderr=False)
     assert done.stdout.strip() == "True", done.stderr[-3000:]
     found = [e for e in map(json.loads, (tmp_path / "audit" / "w.jsonl").read_text().splitlines())]
     # as_tf's signature probe (a copy that read one record) reports nothing

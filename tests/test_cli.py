@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from jobs import run_job, start_job
 
 from vertexrt import cli
 
@@ -100,22 +101,21 @@ def test_bad_aip_value_does_not_crash_info(vertex_env, capsys):
 def test_gcs_server_command_prints_exports_and_serves(tmp_path):
     import os
     import signal
-    import subprocess
     import sys
     import urllib.request
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     command = [sys.executable, "-m", "vertexrt.cli", "gcs-server", "--bucket", "cli-bucket"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        first = process.stdout.readline().strip()
-        assert first.startswith("export STORAGE_EMULATOR_HOST=http://127.0.0.1:")
-        endpoint = first.split("=", 1)[1]
-        with urllib.request.urlopen(f"{endpoint}/storage/v1/b/cli-bucket", timeout=5) as reply:
-            assert json.loads(reply.read())["name"] == "cli-bucket"
-    finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=10) == 0
+    with start_job(command, env=env, merge_stderr=False) as job:
+        try:
+            first = job.wait_for(lambda out: "\n" in out, timeout=120).splitlines()[0].strip()
+            assert first.startswith("export STORAGE_EMULATOR_HOST=http://127.0.0.1:")
+            endpoint = first.split("=", 1)[1]
+            with urllib.request.urlopen(f"{endpoint}/storage/v1/b/cli-bucket", timeout=5) as reply:
+                assert json.loads(reply.read())["name"] == "cli-bucket"
+        finally:
+            job.signal(signal.SIGTERM)
+            assert job.wait(10).returncode == 0
 
 
 # -- info reports, never crashes; it never prints credentials ------------------------------------------
@@ -145,7 +145,6 @@ _HUGE = "9" * 5000
 )
 def test_info_survives_hostile_environment(tmp_path, name, variables):
     import os
-    import subprocess
     import sys
 
     (tmp_path / "list.json").write_text("[1]")
@@ -155,14 +154,7 @@ def test_info_survives_hostile_environment(tmp_path, name, variables):
         env.pop(key, None)
     env |= {k: paths.get(v, v) for k, v in variables.items()}
     for args in (["info"], ["info", "--json"]):
-        done = subprocess.run(
-            [sys.executable, "-m", "vertexrt.cli", *args],
-            env=env,
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = run_job([sys.executable, "-m", "vertexrt.cli", *args], tmp_path, 60, env, merge_stderr=False)
         assert done.returncode == 0, done.stderr[-2000:]
         assert "Traceback" not in done.stderr
         if "--json" in args:

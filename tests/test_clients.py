@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
+from jobs import run_job
 
 import vertexrt
 from vertexrt import clients
@@ -62,7 +62,8 @@ def test_each_module_imports_alone_and_env_never_loads_paths(module):
         "assert 'vertexrt.clients' not in sys.modules or "
         f"'{module}' in ('clients', 'cli', 'doctor'), sorted(sys.modules)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    done = run_job([sys.executable, "-c", code], None, 60)
+    assert done.returncode == 0, done.stdout[-3000:]
 
 
 def test_no_cycle_between_env_paths_and_clients():

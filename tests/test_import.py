@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
+
+from jobs import run_job
 
 HEAVY = (
     "torch",
@@ -21,9 +22,8 @@ HEAVY = (
 
 def _loaded_after(code: str) -> list[str]:
     probe = f"import sys; {code}; print([m for m in {HEAVY!r} if m in sys.modules])"
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
-    )
+    out = run_job([sys.executable, "-c", probe], None, 60, merge_stderr=False)
+    assert out.returncode == 0, out.stderr[-2000:]
     return eval(out.stdout.strip())  # noqa: S307 - our own list literal
 
 

@@ -18,11 +18,11 @@ import json
 import os
 import random
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from jobs import run_job
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BUCKET = "my-bucket"
@@ -93,7 +93,5 @@ def test_readme_block_runs_as_written(code: str, readme_data: str, tmp_path: Pat
         CLOUD_ML_HP_METRIC_FILE=str(tmp_path / "hypertune" / "output.metrics"),
         TF_CPP_MIN_LOG_LEVEL="2",
     )
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
-    )
-    assert proc.returncode == 0, f"{code}\n--- output ---\n{(proc.stdout + proc.stderr)[-4000:]}"
+    proc = run_job([sys.executable, str(script)], tmp_path, 180, env)
+    assert proc.returncode == 0, f"{code}\n--- output ---\n{proc.stdout[-4000:]}"

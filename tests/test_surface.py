@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from jobs import run_job
 
 import vertexrt
 import vertexrt.data
@@ -66,7 +66,7 @@ def test_star_import_needs_no_optional_framework() -> None:
         "from vertexrt import *\n"
         "print(sorted(m for m in ('tensorflow', 'torch', 'keras') if sys.modules.get(m) is not None))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = run_job([sys.executable, "-c", code], None, 120, merge_stderr=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
     assert "keras" not in vertexrt.__all__
@@ -75,12 +75,10 @@ def test_star_import_needs_no_optional_framework() -> None:
 @pytest.mark.slow
 def test_a_strictly_typed_consumer_type_checks() -> None:
     # The same check `make lint` runs: mypy --strict on a user's script importing the public API.
-    out = subprocess.run(
+    out = run_job(
         [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "tests/typing/consumer.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        ROOT,
+        300,
     )
     assert out.returncode == 0, out.stdout[-4000:]
 

@@ -347,6 +347,7 @@ def test_bytes_that_are_not_utf8_are_escaped_and_every_line_is_utf8(tmp_path: Pa
     )
     path = tmp_path / "log_bytes.py"
     path.write_text(script)
+    # subprocess, not jobs.run_job: the assertion is a strict UTF-8 decode of the raw stdout bytes
     done = subprocess.run(
         [sys.executable, str(path)], capture_output=True, timeout=120,
         env={**os.environ, "PYTHONIOENCODING": "utf-8:surrogateescape"},

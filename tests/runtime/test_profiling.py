@@ -8,10 +8,10 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
+from jobs import run_job
 
 from vertexrt import paths
 from vertexrt.runtime.profiling import StepProfiler, profile, start_tf_profiler_server
@@ -106,8 +106,6 @@ def test_the_tf_profiler_server_listens_on_aip_tf_profiler_port(tmp_path) -> Non
         "print('CONNECTED')\n"
     )
     env = {**os.environ, "AIP_TF_PROFILER_PORT": str(port), "TF_CPP_MIN_LOG_LEVEL": "2"}
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path
-    )
+    done = run_job([sys.executable, "-c", code], tmp_path, 120, env, merge_stderr=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "CONNECTED" in done.stdout
