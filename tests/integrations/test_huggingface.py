@@ -31,6 +31,7 @@ from vertexrt.integrations.huggingface import (  # noqa: E402
     export_model,
     merge_file_lists,
 )
+from vertexrt.preemption.signals import preemption_signal
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
 
@@ -307,9 +308,13 @@ def test_a_step_is_not_committed_when_an_uploaded_file_is_not_on_the_bucket(
 
     monkeypatch.setattr(paths, "upload", losing_the_rng_state)
     vertex = VertexTrainerCallback(output, staging_dir=str(job / "stage"))
+    installed_before = preemption_signal().installed
     with pytest.raises(CheckpointError, match=r"checkpoint-4 not committed .*rng_state.pth is missing"):
         train(vertex, max_steps=4)
     assert MARKER not in objects(output, 4) and vertex.complete_steps() == []
+    # training ended by the error, without on_train_end: the SIGTERM subscription was given back anyway (it
+    # leaked once, and every later preemption test in the process saw a stale handler)
+    assert preemption_signal().installed == installed_before
 
 
 TWO_RANKS = """

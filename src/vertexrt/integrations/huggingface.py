@@ -347,7 +347,11 @@ class VertexTrainerCallback(TrainerCallback):
             control.should_training_stop = True
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._commit(state.global_step, state.is_world_process_zero, args.save_total_limit)
+        try:
+            self._commit(state.global_step, state.is_world_process_zero, args.save_total_limit)
+        except BaseException:
+            self._release()  # training ends here without on_train_end: give the SIGTERM subscription back
+            raise
         if self._stopping:
             from vertexrt.preemption.signals import PREEMPTED_EXIT_CODE
 
@@ -362,6 +366,7 @@ class VertexTrainerCallback(TrainerCallback):
         metrics = metrics or {}
         key = tag if tag in metrics else f"eval_{tag}"
         if key not in metrics:
+            self._release()  # the error ends training without on_train_end
             raise ConfigError(
                 f"VertexTrainerCallback: metric {tag!r} (metric_for_best_model) is not among the evaluation "
                 f"metrics {sorted(metrics)}; name one of them"
