@@ -35,8 +35,12 @@ def test_every_rank_stops_at_the_same_call(tmp_path: Path) -> None:
     assert (tmp_path / "rank1").read_text() == expected
 
 
+#: The call at which rank 1 is notified in the paced test (the hiccups are long before it).
+NOTICE = 70
+
+
 @exits_hard
-def _paced_worker(rank: int, port: int, out: str) -> None:
+def _paced_worker(rank: int, port: int, out: str, hiccup: float) -> None:
     import time
 
     import torch.distributed as dist
@@ -44,25 +48,31 @@ def _paced_worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     vote = StopVote(interval=0.02)  # steps of ~2 ms: a vote every ~10 calls
     answers = []
-    for call in range(150):
+    for call in range(200):
         time.sleep(0.002)
-        answers.append(vote(rank == 1 and call >= 40))  # rank 1 is notified at call 40
+        if call == (10 if rank == 0 else 40):  # one hiccup per rank (apart: they would cancel out)
+            time.sleep(hiccup)
+        answers.append(vote(rank == 1 and call >= NOTICE))
     vote.drain()
     dist.destroy_process_group()
     Path(out, f"rank{rank}").write_text(" ".join("1" if a else "0" for a in answers))
 
 
 @pytest.mark.slow
-def test_votes_are_paced_by_the_step_time_and_every_rank_stops_at_the_same_call(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hiccup", [0.0, 0.05], ids=["steady", "a 50 ms hiccup on each rank"])
+def test_votes_are_paced_by_the_step_time_and_every_rank_stops_at_the_same_call(
+    tmp_path: Path, hiccup: float
+) -> None:
+    """A hiccup makes the other rank's vote slow once: it paces the next vote, not every later one."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_paced_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_paced_worker, args=(port, str(tmp_path), hiccup), nprocs=2, start_method="spawn")
     rank0, rank1 = (tmp_path / "rank0").read_text(), (tmp_path / "rank1").read_text()
     assert rank0 == rank1
     answers = rank0.split()
     first = answers.index("1")
-    assert 41 <= first <= 40 + 2 * 10 + 5, first  # at most two votes late (cadence ~10 calls)
+    assert NOTICE < first <= NOTICE + 2 * 10 + 5, first  # at most two votes late (cadence ~10 calls)
     assert set(answers[first:]) == {"1"}
 
 

@@ -73,14 +73,14 @@ class StopVote:
     def __init__(self, reduce: Callable[[bool], bool] | None = None, interval: float = VOTE_INTERVAL) -> None:
         self._reduce = reduce
         self._interval = interval
-        # the vote in flight: (work handle, its [flag, -calls between votes] tensor, start time)
-        self._pending: tuple[Any, Any, float] | None = None
+        # the vote in flight: (work handle, its [flag, -calls between votes] tensor, start, completion time)
+        self._pending: tuple[Any, Any, float, list[float]] | None = None
         self._agreed = False  # once True on every rank, no more collectives
         self._calls = 0
         self._next_vote = 1  # the call number of the next vote: the same on every rank
         self._every = 1  # calls between votes, as agreed by the last vote read
         self._last_vote: tuple[int, float] | None = None  # (call number, monotonic time) of the last vote
-        self._latency = 0.0  # seconds a vote's all-reduce took, when its read had to wait
+        self._latency = 0.0  # seconds the last vote's all-reduce took
         self._backstop: _Backstop | None = None
 
     def __call__(self, local: bool) -> bool:
@@ -124,11 +124,12 @@ class StopVote:
     def _read_pending(self) -> bool:
         if self._pending is None:
             return False
-        work, tensor, started = self._pending
+        work, tensor, started, completed = self._pending
         self._pending = None
-        if not work.is_completed():  # its latency is longer than the calls since it started
-            work.wait()
-            self._latency = time.monotonic() - started
+        work.wait()  # returns at once unless its latency is longer than the calls since it started
+        # This vote's own latency, whether the read waited or not: a hiccup on one vote (a rank descheduled
+        # for 50 ms) paces the next vote only, not the rest of the job.
+        self._latency = (completed[0] if completed else time.monotonic()) - started
         stop, minus_every = (int(v) for v in tensor.tolist())
         self._every = max(1, -minus_every)
         self._agreed = bool(stop)
@@ -148,7 +149,9 @@ class StopVote:
         # MAX over ranks: any rank's notice stops everyone, and the smallest proposed cadence wins.
         tensor = torch.tensor([1 if local else 0, -proposal], dtype=torch.int64)
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=cpu_group(dist), async_op=True)
-        self._pending = (work, tensor, now)
+        completed: list[float] = []  # the completion time, set by the backend's thread
+        work.get_future().add_done_callback(lambda _: completed.append(time.monotonic()))
+        self._pending = (work, tensor, now, completed)
 
 
 class _Backstop:
